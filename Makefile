@@ -1,0 +1,27 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.gyre-installed
+
+.PHONY: run test venv clean bench-bus
+
+venv: $(STAMP)
+
+$(STAMP): requirements.txt requirements/*.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet -r requirements.txt
+	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/gyre up
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench-bus: $(STAMP)
+	$(BIN)/gyre bench bus --json
+
+clean:
+	rm -rf $(VENV) .gyre

@@ -1,0 +1,191 @@
+"""The ``gyre`` command line. It imports services; nothing imports it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from libs.common.settings import GyreSettings
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Gyre: online RL for long-horizon LLM agents.")
+events_app = typer.Typer(no_args_is_help=True, help="Read the event log (JetStream).")
+db_app = typer.Typer(no_args_is_help=True, help="Database schema (Alembic migrations).")
+app.add_typer(events_app, name="events")
+app.add_typer(db_app, name="db")
+
+RunDir = Annotated[Optional[Path], typer.Option("--run-dir", help="state folder of the embedded stack [GYRE_RUN_DIR]")]
+
+
+def _settings(**overrides: object) -> GyreSettings:
+    try:
+        return GyreSettings(**{k: v for k, v in overrides.items() if v is not None})
+    except Exception as exc:  # pydantic ValidationError: say which setting is wrong
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def _logging(settings: GyreSettings) -> None:
+    from libs.common.logs import configure_logging
+
+    configure_logging(settings.log_level, json_lines=settings.log_json)
+
+
+@app.command()
+def up(
+    run_dir: RunDir = None,
+    run_id: Annotated[Optional[str], typer.Option(help="run id [GYRE_RUN_ID]")] = None,
+    check: Annotated[bool, typer.Option("--check", help="exit 0 as soon as every service is healthy")] = False,
+    duration: Annotated[float, typer.Option(help="stop after this many seconds (0 = until Ctrl-C)")] = 0.0,
+) -> None:
+    """Start the embedded stack (NATS, database, services) and show its live status."""
+    from gyre.up import run_up
+
+    settings = _settings(run_dir=run_dir, run_id=run_id)
+    _logging(settings)
+    raise typer.Exit(run_up(settings, check=check, duration=duration))
+
+
+@app.command()
+def serve(
+    service: Annotated[str, typer.Argument(help="service name (see `gyre serve --list`)")] = "",
+    port: Annotated[int, typer.Option(help="port of /health and /metrics")] = 0,
+    list_: Annotated[bool, typer.Option("--list", help="list the services and exit")] = False,
+    batch: Annotated[int, typer.Option(help="projector: events per transaction")] = 500,
+) -> None:
+    """Run one service (what docker-compose, systemd and Helm start)."""
+    from gyre.services import SERVICES
+    from libs.common.natsserver import free_port
+    from libs.common.service import serve as serve_spec
+
+    if list_ or not service:
+        for name, spec in SERVICES.items():
+            typer.echo(f"{name:12s} {spec.summary}")
+        raise typer.Exit(0)
+    spec = SERVICES.get(service)
+    if spec is None:
+        typer.echo(f"error: unknown service {service!r}; known: {', '.join(SERVICES)}", err=True)
+        raise typer.Exit(2)
+    settings = _settings()
+    _logging(settings)
+    try:
+        asyncio.run(serve_spec(spec, settings, port=port or free_port(), options={"batch": batch}))
+    except Exception as exc:
+        logging.getLogger("gyre").error("%s stopped: %s", service, exc)
+        raise typer.Exit(1) from exc
+
+
+@db_app.command("upgrade")
+def db_upgrade(
+    database_url: Annotated[Optional[str], typer.Option(help="SQLAlchemy URL [GYRE_DATABASE_URL]")] = None,
+    run_dir: RunDir = None,
+) -> None:
+    """Apply the migrations up to the newest (idempotent)."""
+    from libs.common.db.engine import current_revision, upgrade
+
+    url = _settings(database_url=database_url, run_dir=run_dir).sqlalchemy_url
+    upgrade(url)
+    typer.echo(f"database at revision {current_revision(url)}")
+
+
+@events_app.command("tail")
+def events_tail(
+    context: Annotated[Optional[list[str]], typer.Option("--context", "-c", help="streams (default: all)")] = None,
+    run_id: Annotated[Optional[str], typer.Option("--run", help="only this run")] = None,
+    from_seq: Annotated[int, typer.Option(help="start at this stream sequence")] = 1,
+    follow: Annotated[bool, typer.Option("--follow/--no-follow", "-f", help="keep waiting for new events")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="one JSON event per line")] = False,
+) -> None:
+    """Print events from the log, oldest first."""
+    from gyre.events_cmd import tail
+
+    asyncio.run(tail(_settings(), _contexts(context), run_id, from_seq, follow, as_json))
+
+
+@events_app.command("export")
+def events_export(
+    out: Annotated[Path, typer.Option("--out", "-o", help="JSON Lines file to write")],
+    context: Annotated[Optional[list[str]], typer.Option("--context", "-c", help="streams (default: all)")] = None,
+    run_id: Annotated[Optional[str], typer.Option("--run", help="only this run")] = None,
+) -> None:
+    """Write the log (all streams, in order) to a JSON Lines file for replay or debugging."""
+    from gyre.events_cmd import export
+
+    n = asyncio.run(export(_settings(), _contexts(context), run_id, out))
+    typer.echo(f"exported {n} events to {out}", err=True)
+
+
+@app.command()
+def replay(
+    from_file: Annotated[Optional[list[Path]], typer.Option("--from", help="exported JSON Lines (default: live NATS)")] = None,
+    database_url: Annotated[Optional[str], typer.Option(help="database to rebuild into [GYRE_DATABASE_URL]")] = None,
+    run_id: Annotated[Optional[str], typer.Option("--run", help="only this run's events")] = None,
+) -> None:
+    """Rebuild the read models from the log alone; prints their digests as JSON."""
+    from gyre.events_cmd import replay as do_replay
+
+    result = asyncio.run(do_replay(_settings(database_url=database_url), from_file or [], run_id))
+    typer.echo(json.dumps(result))
+    if result.get("dead_lettered"):
+        raise typer.Exit(3)
+
+
+@app.command()
+def bench(
+    name: Annotated[str, typer.Argument(help="benchmark name (see `gyre bench --list`)")] = "",
+    as_json: Annotated[bool, typer.Option("--json", help="print one JSON object as the last line")] = False,
+    n: Annotated[int, typer.Option(help="size (benchmark-specific; 0 = its default)")] = 0,
+    list_: Annotated[bool, typer.Option("--list", help="list the benchmarks")] = False,
+) -> None:
+    """Run a benchmark; with --json its result is one JSON object on the last line."""
+    from gyre.bench import BENCHMARKS
+
+    if list_ or not name:
+        for key, (_, summary) in BENCHMARKS.items():
+            typer.echo(f"{key:12s} {summary}")
+        raise typer.Exit(0)
+    if name not in BENCHMARKS:
+        typer.echo(f"error: unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", err=True)
+        raise typer.Exit(2)
+    fn, _ = BENCHMARKS[name]
+    result = fn(n=n or None, progress=not as_json)
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        for k, v in result.items():
+            typer.echo(f"{k:24s} {v}")
+
+
+def _contexts(names: Optional[list[str]]):
+    from libs.common.events import Context
+
+    if not names:
+        return list(Context)
+    try:
+        return [Context(n) for n in names]
+    except ValueError:
+        raise typer.BadParameter(f"contexts are: {', '.join(c.value for c in Context)}") from None
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from libs.common.bus.jetstream import BusError
+    from libs.common.natsserver import NatsServerError
+
+    return (BusError, NatsServerError, ValueError, FileNotFoundError, PermissionError)
+
+
+def main() -> None:
+    try:
+        app()
+    except _user_errors() as exc:  # a clear line, not a traceback, for mistakes a user can fix
+        typer.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

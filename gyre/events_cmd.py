@@ -1,0 +1,99 @@
+"""``gyre events tail|export`` and ``gyre replay``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from libs.common.bus.jetstream import JetStreamBus
+from libs.common.db.engine import make_engine, upgrade
+from libs.common.db.projection import ProjectionRunner
+from libs.common.db.readmodels import readmodels
+from libs.common.eventlog import export_stream, load_memory_bus, readmodel_digest
+from libs.common.events import Context, EventDecodeError, decode
+from libs.common.runtime import NatsNotConfigured
+from libs.common.settings import GyreSettings
+
+
+def _require_nats(settings: GyreSettings) -> str:
+    if not settings.nats_url:
+        raise NatsNotConfigured("GYRE_NATS_URL is not set: which NATS server holds the log?")
+    return settings.nats_url
+
+
+async def tail(settings: GyreSettings, contexts: list[Context], run_id: str | None, from_seq: int,
+               follow: bool, as_json: bool) -> None:
+    bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-tail")
+    try:
+        if follow:
+            await asyncio.gather(*(_follow(bus, c, run_id, from_seq, as_json) for c in contexts))
+        for c in contexts:
+            async for msg in bus.read_raw(c.stream, start_seq=from_seq, filter_subject=_subject(c, run_id)):
+                _print(c, msg.metadata.sequence.stream, msg.data, as_json)
+    finally:
+        await bus.close()
+
+
+async def _follow(bus: JetStreamBus, c: Context, run_id: str | None, from_seq: int, as_json: bool) -> None:
+    async for raw in bus.follow(c, start_seq=from_seq, filter_subject=_subject(c, run_id), idle_s=1.0):
+        if raw is not None:
+            _print(c, raw.seq, raw.data, as_json)
+
+
+def _subject(c: Context, run_id: str | None) -> str:
+    return f"gyre.{run_id}.{c.value}.>" if run_id else c.subjects
+
+
+def _print(c: Context, seq: int, data: bytes, as_json: bool) -> None:
+    if as_json:
+        sys.stdout.write(data.decode(errors="replace") + "\n")
+        sys.stdout.flush()
+        return
+    try:
+        ev = decode(data)
+    except EventDecodeError as exc:
+        print(f"{c.value:9s} #{seq:<7d} <undecodable: {exc}>", flush=True)
+        return
+    payload = json.dumps(ev.payload(), separators=(",", ":"))
+    print(f"{c.value:9s} #{seq:<7d} {ev.time:%H:%M:%S} {ev.run_id} {ev.TYPE} {payload[:160]}", flush=True)
+
+
+async def export(settings: GyreSettings, contexts: list[Context], run_id: str | None, out: Path) -> int:
+    bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-export")
+    n = 0
+    try:
+        with open(out, "w", encoding="utf-8") as f:
+            for c in contexts:
+                n += await export_stream(bus, c, f, run_id=run_id)
+    finally:
+        await bus.close()
+    return n
+
+
+async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) -> dict[str, Any]:
+    """Rebuild the read models into the database of ``settings`` (a fresh SQLite file
+    under a temp folder when none is given) from exported files or the live log."""
+    url = settings.database_url and settings.sqlalchemy_url
+    if not url:
+        url = f"sqlite:///{Path(tempfile.mkdtemp(prefix='gyre-replay-')) / 'replay.db'}"
+    upgrade(url)
+    engine = make_engine(url)
+    bus: Any
+    if files:
+        bus = load_memory_bus(files)
+    else:
+        bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-replay")
+    try:
+        runner = ProjectionRunner(engine, bus, readmodels, filter_run=run_id)
+        applied = await runner.catch_up()
+        digest = readmodel_digest(engine)
+    finally:
+        engine.dispose()
+        if not files:
+            await bus.close()
+    return {"database": url, "applied": applied, "dead_lettered": runner.dead_lettered, "digest": digest["*"],
+            "tables": {k: v for k, v in digest.items() if k != "*"}}

@@ -1,0 +1,38 @@
+"""The services ``gyre serve`` can run, by name. Each entry wires one service's adapters.
+
+Only services that exist are listed: a name is added here when its issue lands.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from libs.common.db.projection import ProjectionRunner
+from libs.common.db.readmodels import readmodels
+from libs.common.service import ServiceContext, ServiceSpec
+
+
+async def projector_main(ctx: ServiceContext) -> None:
+    """Keep the SQL read models up to date with the log (``readmodels`` projection)."""
+    from prometheus_client import Gauge
+
+    assert ctx.runtime.engine is not None
+    batch = int(ctx.options.get("batch", 500))
+    runner = ProjectionRunner(ctx.runtime.engine, ctx.runtime.bus, readmodels, batch_max=batch)
+    applied = Gauge("gyre_projection_applied_total", "events applied by this projector", ["projection"],
+                    registry=ctx.registry)
+    dead = Gauge("gyre_projection_dead_lettered_total", "events dead-lettered", ["projection"], registry=ctx.registry)
+    ctx.health.ok(projection=readmodels.name, database=ctx.runtime.engine.url.render_as_string(hide_password=True))
+    task = asyncio.create_task(runner.run(ctx.stop))
+    while not task.done():
+        applied.labels(readmodels.name).set(runner.applied)
+        dead.labels(readmodels.name).set(runner.dead_lettered)
+        ctx.health.detail.update(applied=runner.applied, dead_lettered=runner.dead_lettered)
+        await asyncio.wait({task}, timeout=0.5)
+    task.result()
+
+
+SERVICES: dict[str, ServiceSpec] = {
+    "projector": ServiceSpec("projector", projector_main, database=True,
+                             summary="applies the event log to the SQL read models"),
+}

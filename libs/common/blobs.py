@@ -1,0 +1,160 @@
+"""Content-addressed blob stores (sha256 hex digests) and the token-array codec.
+
+Token ids and logprobs never ride in events: a call's new input ids, output ids and
+logprobs go here, and ``CallRecorded`` carries their digests. The default store is the
+JetStream object store (chunked, replicated with the cluster); ``FileBlobStore`` and
+``MemoryBlobStore`` serve tests and tools. All pass the same contract tests.
+"""
+
+from __future__ import annotations
+
+import array
+import hashlib
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class BlobNotFound(KeyError):
+    pass
+
+
+class BlobCorrupt(ValueError):
+    pass
+
+
+def digest_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _check(digest: str, data: bytes) -> bytes:
+    if digest_of(data) != digest:
+        raise BlobCorrupt(f"blob {digest[:12]}… does not match its digest")
+    return data
+
+
+def _le(arr: array.array) -> array.array:
+    if sys.byteorder != "little":
+        arr.byteswap()
+    return arr
+
+
+def encode_tokens(ids: list[int]) -> bytes:
+    """Token ids as little-endian int32."""
+    return _le(array.array("i", ids)).tobytes()
+
+
+def decode_tokens(data: bytes) -> list[int]:
+    arr = array.array("i")
+    arr.frombytes(data)
+    return _le(arr).tolist()
+
+
+def encode_logprobs(values: list[float]) -> bytes:
+    """Logprobs as little-endian float32."""
+    return _le(array.array("f", values)).tobytes()
+
+
+def decode_logprobs(data: bytes) -> list[float]:
+    arr = array.array("f")
+    arr.frombytes(data)
+    return _le(arr).tolist()
+
+
+@dataclass
+class MemoryBlobStore:
+    blobs: dict[str, bytes] = field(default_factory=dict)
+
+    async def put(self, data: bytes) -> str:
+        d = digest_of(data)
+        self.blobs.setdefault(d, bytes(data))
+        return d
+
+    async def get(self, digest: str) -> bytes:
+        try:
+            return _check(digest, self.blobs[digest])
+        except KeyError:
+            raise BlobNotFound(digest) from None
+
+    async def has(self, digest: str) -> bool:
+        return digest in self.blobs
+
+
+@dataclass
+class FileBlobStore:
+    """Blobs as files ``<root>/<d[:2]>/<d>``, written atomically (temp file + rename)."""
+
+    root: Path
+
+    def _path(self, digest: str) -> Path:
+        if len(digest) != 64 or any(c not in "0123456789abcdef" for c in digest):
+            raise BlobNotFound(digest)
+        return Path(self.root) / digest[:2] / digest
+
+    async def put(self, data: bytes) -> str:
+        d = digest_of(data)
+        path = self._path(d)
+        if path.exists():
+            return d
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+        return d
+
+    async def get(self, digest: str) -> bytes:
+        try:
+            return _check(digest, self._path(digest).read_bytes())
+        except FileNotFoundError:
+            raise BlobNotFound(digest) from None
+
+    async def has(self, digest: str) -> bool:
+        return self._path(digest).exists()
+
+
+class ObjectStoreBlobStore:
+    """JetStream object store: objects named by digest, chunked by the server client."""
+
+    def __init__(self, obs: Any) -> None:
+        self.obs = obs
+
+    @classmethod
+    async def open(cls, js: Any, bucket: str = "gyre-blobs", *, replicas: int = 1) -> "ObjectStoreBlobStore":
+        from nats.js import api
+        from nats.js.errors import BucketNotFoundError, NotFoundError
+
+        try:
+            obs = await js.object_store(bucket)
+        except (BucketNotFoundError, NotFoundError):
+            obs = await js.create_object_store(
+                bucket, config=api.ObjectStoreConfig(bucket=bucket, storage=api.StorageType.FILE, replicas=replicas)
+            )
+        return cls(obs)
+
+    async def put(self, data: bytes) -> str:
+        d = digest_of(data)
+        if not await self.has(d):
+            await self.obs.put(d, data)
+        return d
+
+    async def get(self, digest: str) -> bytes:
+        from nats.js.errors import ObjectNotFoundError, NotFoundError
+
+        try:
+            res = await self.obs.get(digest)
+        except (ObjectNotFoundError, NotFoundError):
+            raise BlobNotFound(digest) from None
+        return _check(digest, res.data or b"")
+
+    async def has(self, digest: str) -> bool:
+        from nats.js.errors import ObjectNotFoundError, NotFoundError
+
+        try:
+            info = await self.obs.get_info(digest)
+        except (ObjectNotFoundError, NotFoundError):
+            return False
+        return not getattr(info, "deleted", False)

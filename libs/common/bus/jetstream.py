@@ -1,0 +1,307 @@
+"""The JetStream adapter of the bus port (nats-py).
+
+- One stream per bounded context (``GYRE_CALLS`` holds ``gyre.*.calls.>``, ...), file
+  storage, server-side de-duplication by ``Nats-Msg-Id`` (= event id).
+- ``publish_many`` pipelines acks (``publish_async``, at most ``max_pending`` in flight).
+- ``run_consumer`` is a durable pull consumer with explicit acks after the handler
+  returns; failures keep stream order (the rest of the batch is handed back), and poison
+  messages go to the dead-letter stream ``GYRE_DEADLETTER`` (``gyredlq.<consumer>``).
+- ``read`` replays a stream in order from a sequence or a time with an ordered consumer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable
+from datetime import datetime
+from typing import Any
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import api
+from nats.js.errors import BadRequestError, NotFoundError
+
+from ..events import Context, Event, EventDecodeError, decode
+from .port import ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal
+
+log = logging.getLogger(__name__)
+
+DEADLETTER_STREAM = "GYRE_DEADLETTER"
+DEADLETTER_PREFIX = "gyredlq"
+HDR_TYPE = "Gyre-Type"
+HDR_REASON = "Gyre-Dead-Reason"
+
+
+class BusError(RuntimeError):
+    pass
+
+
+class PublishError(BusError):
+    """Some events of a batch were not stored. Re-publishing the whole batch is safe:
+    the stored ones are de-duplicated by event id."""
+
+    def __init__(self, failures: list[tuple[str, BaseException]]) -> None:
+        self.failures = failures
+        first = failures[0]
+        super().__init__(f"{len(failures)} event(s) not stored, first {first[0]}: {first[1]!r}")
+
+
+def ack_position(msg: Any) -> tuple[str, int, int]:
+    """(stream, stream sequence, times delivered) from a JetStream message's reply subject.
+
+    Parsing the two ack-subject layouts directly costs a fraction of ``msg.metadata``
+    (which also builds timestamps); anything else falls back to it.
+    """
+    parts = (msg.reply or "").split(".")
+    if len(parts) == 9 and parts[0] == "$JS":  # $JS.ACK.<stream>.<consumer>.<delivered>.<sseq>.<cseq>.<ts>.<pending>
+        return parts[2], int(parts[5]), int(parts[4])
+    if len(parts) >= 12 and parts[0] == "$JS":  # with domain and account hash
+        return parts[4], int(parts[7]), int(parts[6])
+    meta = msg.metadata
+    return meta.stream, meta.sequence.stream, meta.num_delivered
+
+
+def headers_for(event: Event) -> dict[str, str]:
+    return {"Nats-Msg-Id": event.event_id, HDR_TYPE: event.TYPE}
+
+
+async def connect_nats(url: str, *, name: str = "gyre", creds: str | None = None, timeout_s: float = 5.0) -> NATS:
+    """Connect, failing fast with a clear message when nobody answers at ``url``."""
+    try:
+        return await nats.connect(
+            url,
+            name=name,
+            user_credentials=creds,
+            connect_timeout=timeout_s,
+            allow_reconnect=True,
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,
+        )
+    except Exception as exc:  # nats raises several unrelated types here
+        raise BusError(f"cannot connect to NATS at {url}: {exc!r}") from exc
+
+
+class JetStreamBus:
+    def __init__(self, nc: NATS, *, replicas: int = 1, max_age_s: float = 0, max_pending: int = 4000) -> None:
+        self.nc = nc
+        self.js = nc.jetstream(publish_async_max_pending=max_pending)
+        self.replicas = replicas
+        self.max_age_s = max_age_s
+        self.max_pending = max_pending
+
+    @classmethod
+    async def connect(cls, url: str, *, name: str = "gyre", creds: str | None = None, **kw: Any) -> "JetStreamBus":
+        bus = cls(await connect_nats(url, name=name, creds=creds), **kw)
+        await bus.ensure_streams()
+        return bus
+
+    async def close(self) -> None:
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    # -- streams ---------------------------------------------------------------
+
+    def _stream_config(self, name: str, subjects: list[str]) -> api.StreamConfig:
+        return api.StreamConfig(
+            name=name,
+            subjects=subjects,
+            storage=api.StorageType.FILE,
+            retention=api.RetentionPolicy.LIMITS,
+            num_replicas=self.replicas,
+            max_age=self.max_age_s or None,
+            duplicate_window=120.0,
+        )
+
+    async def ensure_streams(self) -> None:
+        wanted = [(c.stream, [c.subjects]) for c in Context]
+        wanted.append((DEADLETTER_STREAM, [f"{DEADLETTER_PREFIX}.>"]))
+        for name, subjects in wanted:
+            cfg = self._stream_config(name, subjects)
+            try:
+                await self.js.add_stream(cfg)
+            except BadRequestError:
+                await self.js.update_stream(cfg)
+
+    async def last_seq(self, context: Context) -> int:
+        info = await self.js.stream_info(context.stream)
+        return int(info.state.last_seq or 0)
+
+    # -- publishing ------------------------------------------------------------
+
+    async def publish(self, event: Event) -> int:
+        ack = await self.js.publish(event.subject, event.to_json(), headers=headers_for(event), timeout=10)
+        return int(ack.seq)
+
+    async def publish_many(self, events: Iterable[Event], *, timeout_s: float = 30.0) -> list[int]:
+        batch = list(events)
+        futures = []
+        for ev in batch:
+            futures.append(await self.js.publish_async(ev.subject, ev.to_json(), headers=headers_for(ev)))
+        done = await asyncio.wait_for(asyncio.gather(*futures, return_exceptions=True), timeout_s)
+        failures = [(ev.event_id, r) for ev, r in zip(batch, done) if isinstance(r, BaseException)]
+        if failures:
+            raise PublishError(failures)
+        return [int(r.seq) for r in done]
+
+    async def publish_raw(self, subject: str, data: bytes, headers: dict[str, str]) -> int:
+        ack = await self.js.publish(subject, data, headers=headers, timeout=10)
+        return int(ack.seq)
+
+    # -- consuming -------------------------------------------------------------
+
+    def _consumer_config(self, cfg: ConsumerConfig) -> api.ConsumerConfig:
+        deliver = api.DeliverPolicy.ALL
+        if cfg.start_seq is not None:
+            deliver = api.DeliverPolicy.BY_START_SEQUENCE
+        elif cfg.start_time is not None:
+            deliver = api.DeliverPolicy.BY_START_TIME
+        return api.ConsumerConfig(
+            durable_name=cfg.name,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            deliver_policy=deliver,
+            opt_start_seq=cfg.start_seq,
+            opt_start_time=cfg.start_time.isoformat() if cfg.start_time else None,
+            ack_wait=cfg.ack_wait_s,
+            max_deliver=-1,  # Gyre counts deliveries itself and dead-letters
+            filter_subject=cfg.filter_subject or cfg.context.subjects,
+            max_ack_pending=max(cfg.batch * 2, 1000),
+        )
+
+    async def run_consumer(self, config: ConsumerConfig, handler: Handler, *, stop: StopSignal) -> None:
+        sub = await self.js.pull_subscribe_bind(
+            durable=await self._ensure_consumer(config), stream=config.context.stream
+        )
+        try:
+            while not stop.is_set():
+                try:
+                    msgs = await sub.fetch(config.batch, timeout=0.5)
+                except nats.errors.TimeoutError:
+                    continue
+                await self._handle_batch(config, handler, msgs)
+        finally:
+            await sub.unsubscribe()
+
+    async def _ensure_consumer(self, config: ConsumerConfig) -> str:
+        try:
+            await self.js.consumer_info(config.context.stream, config.name)
+        except NotFoundError:
+            await self.js.add_consumer(config.context.stream, self._consumer_config(config))
+        return config.name
+
+    async def _handle_batch(self, config: ConsumerConfig, handler: Handler, msgs: list[Any]) -> None:
+        for i, msg in enumerate(msgs):
+            stream, seq, delivered = ack_position(msg)
+            try:
+                event = decode(msg.data)
+            except EventDecodeError as exc:
+                await self._dead_letter(config, msg, f"undecodable: {exc}")
+                continue
+            delivery = Delivery(event, stream, seq, msg.subject, delivered)
+            try:
+                await handler(delivery)
+            except PermanentError as exc:
+                await self._dead_letter(config, msg, f"rejected: {exc}")
+                continue
+            except Exception as exc:  # transient: retry in order, or give up after max_deliver
+                if delivered >= config.max_deliver:
+                    await self._dead_letter(config, msg, f"failed {delivered} times: {exc!r}")
+                    continue
+                log.warning("consumer %s: seq %s failed (%r); retrying", config.name, seq, exc)
+                for rest in msgs[i:]:
+                    await rest.nak(delay=config.retry_delay_s)
+                return
+            await msg.ack()
+
+    async def _dead_letter(self, config: ConsumerConfig, msg: Any, reason: str) -> None:
+        meta = msg.metadata
+        raw = RawMessage(meta.stream, meta.sequence.stream, msg.subject, msg.data)
+        await self.dead_letter(config.name, raw, reason)
+        await msg.ack()  # only after the dead letter is stored
+
+    async def dead_letter(self, consumer: str, message: RawMessage, reason: str) -> None:
+        headers = {
+            "Nats-Msg-Id": f"dlq-{consumer}-{message.stream}-{message.seq}",
+            HDR_REASON: reason[:2000],
+            "Gyre-Dead-Stream": message.stream,
+            "Gyre-Dead-Seq": str(message.seq),
+            "Gyre-Dead-Subject": message.subject,
+        }
+        await self.publish_raw(f"{DEADLETTER_PREFIX}.{consumer}", message.data, headers)
+        log.error("consumer %s: %s seq %s dead-lettered: %s", consumer, message.stream, message.seq, reason)
+
+    async def follow(
+        self, context: Context, *, start_seq: int = 1, filter_subject: str | None = None, idle_s: float = 0.05
+    ) -> AsyncIterator[RawMessage | None]:
+        sub = await self.js.subscribe(
+            filter_subject or context.subjects, stream=context.stream, ordered_consumer=True,
+            config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
+                                      opt_start_seq=max(start_seq, 1)),
+            pending_msgs_limit=-1,
+        )
+        try:
+            while True:
+                try:
+                    msg = await sub.next_msg(timeout=idle_s)
+                except nats.errors.TimeoutError:
+                    yield None
+                    continue
+                yield RawMessage(context.stream, msg.metadata.sequence.stream, msg.subject, msg.data)
+        finally:
+            await sub.unsubscribe()
+
+    # -- replay ----------------------------------------------------------------
+
+    async def read(
+        self,
+        context: Context,
+        *,
+        start_seq: int = 1,
+        start_time: datetime | None = None,
+        filter_subject: str | None = None,
+        until_seq: int | None = None,
+    ) -> AsyncIterator[Delivery]:
+        async for msg in self.read_raw(context.stream, start_seq=start_seq, start_time=start_time,
+                                       filter_subject=filter_subject or context.subjects, until_seq=until_seq):
+            meta = msg.metadata
+            yield Delivery(decode(msg.data), meta.stream, meta.sequence.stream, msg.subject, 1)
+
+    async def read_raw(
+        self,
+        stream: str,
+        *,
+        start_seq: int = 1,
+        start_time: datetime | None = None,
+        filter_subject: str | None = None,
+        until_seq: int | None = None,
+    ) -> AsyncIterator[Any]:
+        """Raw messages of a stream, in order, up to its end when called."""
+        info = await self.js.stream_info(stream)
+        end = int(info.state.last_seq or 0)
+        if until_seq is not None:
+            end = min(end, until_seq)
+        if end < start_seq or int(info.state.messages or 0) == 0:
+            return
+        kwargs: dict[str, Any] = {"deliver_policy": api.DeliverPolicy.BY_START_SEQUENCE, "opt_start_seq": start_seq}
+        if start_time is not None:
+            kwargs = {"deliver_policy": api.DeliverPolicy.BY_START_TIME, "opt_start_time": start_time.isoformat()}
+        subjects = info.config.subjects or [">"]
+        sub = await self.js.subscribe(
+            filter_subject or (subjects[0] if len(subjects) == 1 else ">"), stream=stream, ordered_consumer=True,
+            config=api.ConsumerConfig(**kwargs), pending_msgs_limit=-1,
+        )
+        try:
+            cinfo = await sub.consumer_info()
+            delivered = cinfo.delivered.consumer_seq if cinfo.delivered else 0
+            if not cinfo.num_pending and not delivered:
+                return  # nothing matches from start_seq on
+            while True:
+                msg = await sub.next_msg(timeout=30)
+                seq = msg.metadata.sequence.stream
+                if seq > end:
+                    return
+                yield msg
+                if seq >= end or msg.metadata.num_pending == 0:
+                    return
+        finally:
+            await sub.unsubscribe()

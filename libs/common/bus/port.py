@@ -1,0 +1,119 @@
+"""The bus port: what services need from the event log, whatever carries it.
+
+Adapters: ``jetstream.JetStreamBus`` (NATS JetStream; the real one, always used by the
+services) and ``memory.InMemoryBus`` (same contract, for pure unit tests and replay of an
+exported log). Both pass ``tests/foundation/test_bus_contract.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, runtime_checkable
+
+from ..events import Context, Event
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """One event as read from its stream, with its position there."""
+
+    event: Event
+    stream: str
+    seq: int  # stream sequence, 1-based, dense per stream
+    subject: str
+    num_delivered: int = 1
+
+
+Handler = Callable[[Delivery], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class RawMessage:
+    """A stored message before decoding (projections decode it themselves so that a bad
+    one can be dead-lettered with its reason)."""
+
+    stream: str
+    seq: int
+    subject: str
+    data: bytes
+
+
+class PermanentError(Exception):
+    """A handler raises this for an event it can never apply: it is dead-lettered, not retried."""
+
+
+@dataclass(frozen=True)
+class ConsumerConfig:
+    """A durable consumer: the server remembers its position under ``name``.
+
+    ``filter_subject`` narrows the stream (e.g. ``gyre.run1.rollouts.>``). A handler that
+    returns normally gets its message acked; one that raises is redelivered after
+    ``retry_delay_s`` up to ``max_deliver`` times, then dead-lettered; an event that does
+    not decode, or a ``PermanentError``, is dead-lettered at once. Dead letters go to
+    ``gyredlq.<name>`` with the reason in the ``Gyre-Dead-Reason`` header.
+    """
+
+    name: str
+    context: Context
+    filter_subject: str | None = None
+    batch: int = 1000
+    max_deliver: int = 5
+    retry_delay_s: float = 1.0
+    ack_wait_s: float = 30.0
+    start_seq: int | None = None  # for a new consumer: deliver from this sequence
+    start_time: datetime | None = None  # ... or from this time
+
+
+@runtime_checkable
+class EventBus(Protocol):
+    async def publish(self, event: Event) -> int:
+        """Append one event; returns its stream sequence once the server has stored it."""
+
+    async def publish_many(self, events: Iterable[Event]) -> list[int]:
+        """Append many events with pipelined acks; all stored when it returns."""
+
+    async def run_consumer(self, config: ConsumerConfig, handler: Handler, *, stop: "StopSignal") -> None:
+        """Deliver events to ``handler`` until ``stop`` is set; ack after it returns."""
+
+    def read(
+        self,
+        context: Context,
+        *,
+        start_seq: int = 1,
+        start_time: datetime | None = None,
+        filter_subject: str | None = None,
+        until_seq: int | None = None,
+    ) -> AsyncIterator[Delivery]:
+        """Replay a stream in order, from a sequence or a time, up to its current end."""
+
+    async def last_seq(self, context: Context) -> int:
+        """The stream's last sequence (0 when empty)."""
+
+    def follow(
+        self, context: Context, *, start_seq: int = 1, filter_subject: str | None = None, idle_s: float = 0.05
+    ) -> AsyncIterator[RawMessage | None]:
+        """Tail a stream in order from ``start_seq``, forever; yields ``None`` after ``idle_s``
+        without a message so the caller can commit and check for stop."""
+
+    async def dead_letter(self, consumer: str, message: RawMessage, reason: str) -> None:
+        """Store ``message`` on ``gyredlq.<consumer>`` with its reason (idempotent)."""
+
+
+class StopSignal(Protocol):
+    def is_set(self) -> bool: ...
+
+    async def wait(self) -> object: ...
+
+
+@runtime_checkable
+class BlobStore(Protocol):
+    """Content-addressed bytes (sha256 hex digests): token arrays, snapshots, checkpoints."""
+
+    async def put(self, data: bytes) -> str: ...
+
+    async def get(self, digest: str) -> bytes: ...
+
+    async def has(self, digest: str) -> bool: ...
+

@@ -1,0 +1,103 @@
+"""Call context (owner: proxy): every model call, recorded token-exactly (TITO).
+
+Token arrays never travel in events: the blob store holds them, events carry digests.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .envelope import Context, Digest, Event
+from .registry import register
+
+
+class DriftClass(str, enum.Enum):
+    """How a call's rendered input relates to the session's earlier calls."""
+
+    FRESH = "fresh"  # no earlier call shares a prefix
+    EXTEND = "extend"  # earlier input + output is an exact token prefix
+    RETOKENIZED = "retokenized"  # same text, other tokens: the recorded tokens were kept
+    REWRITE = "rewrite"  # history edited or replaced (compaction, truncation, edits)
+
+
+class WeightSpan(BaseModel):
+    """Output tokens [start, end) were produced by weight ``version``."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    start: int = Field(ge=0)
+    end: int = Field(ge=0)
+    version: int = Field(ge=0)
+
+
+class SessionHints(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    agent_id: str | None = None  # e.g. a harness's agent/session id header
+    system_digest: Digest | None = None
+    tools_digest: Digest | None = None
+    role: str | None = None  # explicit x-gyre-role header, if any
+
+
+class CallTimings(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    queued_ms: float = Field(default=0.0, ge=0)
+    first_token_ms: float | None = Field(default=None, ge=0)
+    total_ms: float = Field(default=0.0, ge=0)
+
+
+@register
+class SessionOpened(Event):
+    CONTEXT = Context.CALLS
+    KEY = "session_id"
+    session_id: str = Field(min_length=1)
+    rollout_id: str = Field(min_length=1)
+    cell: str | None = None
+    hints: SessionHints = Field(default_factory=SessionHints)
+
+
+@register
+class CallRecorded(Event):
+    CONTEXT = Context.CALLS
+    KEY = "rollout_id"
+    call_id: str = Field(min_length=1)
+    rollout_id: str = Field(min_length=1)
+    session_id: str = Field(min_length=1)
+    api: Literal["openai_chat", "openai_responses", "anthropic_messages", "native"]
+    parent_call_id: str | None = None
+    prefix_len: int = Field(default=0, ge=0)
+    new_input_digest: Digest
+    n_new_input_tokens: int = Field(ge=0)
+    output_digest: Digest
+    logprobs_digest: Digest
+    n_output_tokens: int = Field(ge=0)
+    weight_spans: list[WeightSpan] = Field(default_factory=list)
+    drift: DriftClass = DriftClass.FRESH
+    finish_reason: str | None = None
+    delivered: bool = True
+    hints: SessionHints = Field(default_factory=SessionHints)
+    timings: CallTimings = Field(default_factory=CallTimings)
+    cell: str | None = None
+
+
+@register
+class RequestRouted(Event):
+    CONTEXT = Context.CALLS
+    KEY = "session_id"
+    call_id: str = Field(min_length=1)
+    session_id: str = Field(min_length=1)
+    cell: str = Field(min_length=1)
+    reason: str = "affinity"
+
+
+@register
+class SessionRerouted(Event):
+    CONTEXT = Context.CALLS
+    KEY = "session_id"
+    session_id: str = Field(min_length=1)
+    from_cell: str = Field(min_length=1)
+    to_cell: str = Field(min_length=1)
+    reason: str = Field(min_length=1)
+    kv: Literal["migrated", "reprefilled"]
+    migrated_tokens: int = Field(default=0, ge=0)

@@ -1,0 +1,65 @@
+"""Cell context (owners: scheduler and cells): roles, switches, water level."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from .envelope import Context, Event
+from .registry import register
+
+Role = Literal["inference", "training"]
+
+
+@register
+class CellRegistered(Event):
+    CONTEXT = Context.CELLS
+    KEY = "cell"
+    cell: str = Field(min_length=1)
+    role: Role
+    is_core: bool = False
+    capacity: int = Field(ge=1)  # concurrent calls it serves in the inference role
+    devices: int = Field(default=1, ge=0)
+
+
+@register
+class SwitchRequested(Event):
+    CONTEXT = Context.CELLS
+    KEY = "cell"
+    cell: str = Field(min_length=1)
+    from_role: Role
+    to_role: Role
+    water_level: float = Field(ge=0)
+    reason: str = Field(min_length=1)
+
+
+@register
+class SwitchCompleted(Event):
+    CONTEXT = Context.CELLS
+    KEY = "cell"
+    cell: str = Field(min_length=1)
+    role: Role
+    phase_timings: dict[str, float] = Field(default_factory=dict)  # seconds per phase
+    weight_version: int = Field(ge=0)
+
+
+@register
+class SwitchFailed(Event):
+    CONTEXT = Context.CELLS
+    KEY = "cell"
+    cell: str = Field(min_length=1)
+    role: Role  # the role the cell is left in
+    phase: str = Field(min_length=1)
+    reason: str = Field(min_length=1)
+
+
+@register
+class WaterLevelSampled(Event):
+    CONTEXT = Context.CELLS
+    level: float = Field(ge=0)
+    inference_capacity: int = Field(ge=0)
+    queued_calls: int = Field(ge=0)
+    running_calls: int = Field(ge=0)
+    unfinished_rollouts: int = Field(default=0, ge=0)
+    cells_by_role: dict[str, int] = Field(default_factory=dict)

@@ -1,0 +1,41 @@
+"""Rollout context (owner: runner). A rollout is one harness working on one task."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from .envelope import Context, Digest, Event
+from .registry import register
+
+
+@register
+class RolloutStarted(Event):
+    CONTEXT = Context.ROLLOUTS
+    KEY = "rollout_id"
+    rollout_id: str = Field(min_length=1)
+    task_id: str = Field(min_length=1)
+    group_id: str = Field(min_length=1)
+    harness: str = Field(min_length=1)
+    weight_version: int = Field(ge=0)
+    api_key_digest: Digest
+    step: int = Field(default=0, ge=0)
+    time_limit_s: float | None = Field(default=None, gt=0)
+
+
+class _RolloutEnded(Event):
+    CONTEXT = Context.ROLLOUTS
+    KEY = "rollout_id"
+    rollout_id: str = Field(min_length=1)
+    snapshot_digest: Digest | None = None  # tar archive of the workspace in the blob store
+    exit_status: int | None = None
+    wall_time_s: float = Field(ge=0)
+
+
+@register
+class RolloutFinished(_RolloutEnded):
+    pass
+
+
+@register
+class RolloutTimedOut(_RolloutEnded):
+    pass

@@ -1,0 +1,64 @@
+"""Tree context (owner: trajectory): prefix trees, forks, selected samples, micro-steps."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .envelope import Context, Digest, Event
+from .registry import register
+
+ForkType = Literal["compaction", "subagent", "retry", "edit"]
+BranchRole = Literal["main", "main_summary", "subagent", "subagent_summary"]
+
+
+@register
+class ForkDetected(Event):
+    CONTEXT = Context.TREES
+    KEY = "rollout_id"
+    rollout_id: str = Field(min_length=1)
+    call_id: str = Field(min_length=1)
+    parent_call_id: str | None = None
+    fork_type: ForkType
+    position: int = Field(ge=0)  # token depth where the branches part
+
+
+class SampleRef(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    digest: Digest
+    role: BranchRole
+    n_tokens: int = Field(ge=0)
+    n_trained_tokens: int = Field(ge=0)
+
+
+@register
+class TreeSealed(Event):
+    CONTEXT = Context.TREES
+    KEY = "rollout_id"
+    rollout_id: str = Field(min_length=1)
+    tree_digest: Digest
+    n_calls: int = Field(ge=0)
+    n_nodes: int = Field(ge=0)
+    n_tokens: int = Field(ge=0)
+    branch_roles: list[BranchRole] = Field(default_factory=list)
+
+
+@register
+class SamplesSelected(Event):
+    CONTEXT = Context.TREES
+    KEY = "rollout_id"
+    rollout_id: str = Field(min_length=1)
+    samples: list[SampleRef] = Field(max_length=64)
+
+
+@register
+class MicroStepQueued(Event):
+    CONTEXT = Context.TREES
+    KEY = "micro_step"
+    step: int = Field(ge=0)
+    micro_step: str = Field(min_length=1)
+    group_id: str = Field(min_length=1)
+    sample_digests: list[Digest] = Field(min_length=1)
+    advantages: list[float] = Field(min_length=1)
+    n_tokens: int = Field(ge=0)

@@ -1,0 +1,105 @@
+"""The host every ``gyre serve <service>`` runs in: health and metrics over HTTP, the
+service's own coroutine, and a clean stop on SIGTERM/SIGINT.
+
+A service is a ``ServiceSpec``: a name and ``async def main(ctx)``; its wiring module
+builds its adapters from ``ctx.runtime`` and reports progress through ``ctx.health``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from .runtime import Runtime, open_runtime
+from .settings import GyreSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Health:
+    service: str
+    status: str = "starting"  # starting | ok | degraded | stopping
+    detail: dict[str, Any] = field(default_factory=dict)
+    started: float = field(default_factory=time.monotonic)
+
+    def ok(self, **detail: Any) -> None:
+        self.status = "ok"
+        self.detail.update(detail)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"service": self.service, "status": self.status, "uptime_s": round(time.monotonic() - self.started, 1),
+                **self.detail}
+
+
+@dataclass
+class ServiceContext:
+    runtime: Runtime
+    health: Health
+    stop: asyncio.Event
+    registry: CollectorRegistry
+    options: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    main: Callable[[ServiceContext], Awaitable[None]]
+    database: bool = False
+    summary: str = ""
+
+
+def create_app(health: Health, registry: CollectorRegistry) -> FastAPI:
+    app = FastAPI(title=f"gyre {health.service}", docs_url=None, redoc_url=None)
+
+    @app.get("/health")
+    async def _health(response: Response) -> dict[str, Any]:
+        if health.status not in ("ok", "degraded"):
+            response.status_code = 503
+        return health.as_dict()
+
+    @app.get("/metrics")
+    async def _metrics() -> Response:
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def serve(spec: ServiceSpec, settings: GyreSettings, *, port: int, options: dict[str, Any] | None = None) -> None:
+    health = Health(spec.name)
+    registry = CollectorRegistry()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    config = uvicorn.Config(create_app(health, registry), host=settings.host, port=port, log_level="warning",
+                            lifespan="off")
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    http = asyncio.create_task(server.serve())
+    try:
+        async with open_runtime(settings, name=spec.name, database=spec.database, migrate=spec.database) as rt:
+            ctx = ServiceContext(rt, health, stop, registry, options or {})
+            main = asyncio.create_task(spec.main(ctx))
+            waiter = asyncio.create_task(stop.wait())
+            done, _ = await asyncio.wait({main, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            health.status = "stopping"
+            stop.set()
+            if main in done:
+                main.result()  # a crashed service exits non-zero
+            else:
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(main, 10)
+    finally:
+        server.should_exit = True
+        await http

@@ -1,0 +1,160 @@
+"""One contract for the bus port, run against the real JetStream server and in memory."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from libs.common.bus.memory import InMemoryBus, subject_matches
+from libs.common.bus.port import ConsumerConfig, Delivery, PermanentError
+from libs.common.events import Context, RolloutFinished, RolloutStarted, RunStarted
+
+D = "cd" * 32
+
+
+def started(i: int, run: str = "r1") -> RolloutStarted:
+    return RolloutStarted(run_id=run, rollout_id=f"ro-{i}", task_id="t", group_id=f"g{i % 3}", harness="gyre",
+                          weight_version=0, api_key_digest=D)
+
+
+@pytest.fixture(params=["jetstream", "memory"])
+async def bus(request: pytest.FixtureRequest, tmp_path) -> AsyncIterator[object]:
+    if request.param == "memory":
+        yield InMemoryBus()
+        return
+    from libs.common.bus.jetstream import JetStreamBus
+    from libs.common.natsserver import EmbeddedNats
+
+    with EmbeddedNats(tmp_path / "nats") as server:
+        js = await JetStreamBus.connect(server.url)
+        yield js
+        await js.close()
+
+
+async def consume(bus, config: ConsumerConfig, until: int, handler=None, timeout: float = 10.0) -> list[Delivery]:
+    got: list[Delivery] = []
+    stop = asyncio.Event()
+
+    async def h(d: Delivery) -> None:
+        if handler is not None:
+            await handler(d)
+        got.append(d)
+        if len(got) >= until:
+            stop.set()
+
+    await asyncio.wait_for(bus.run_consumer(config, h, stop=stop), timeout)
+    return got
+
+
+async def test_publish_returns_dense_sequences_and_dedupes_by_event_id(bus) -> None:
+    events = [started(i) for i in range(5)]
+    assert await bus.publish_many(events) == [1, 2, 3, 4, 5]
+    assert await bus.publish(events[2]) == 3  # same event id: stored once
+    assert await bus.publish(RunStarted(run_id="r1")) == 1  # another stream counts on its own
+    assert await bus.last_seq(Context.ROLLOUTS) == 5
+    assert await bus.last_seq(Context.CALLS) == 0
+
+
+async def test_read_replays_in_order_from_seq_time_and_filter(bus) -> None:
+    await bus.publish_many([started(i, run="a") for i in range(3)] + [started(i, run="b") for i in range(3, 6)])
+    seqs = [d.seq async for d in bus.read(Context.ROLLOUTS)]
+    assert seqs == [1, 2, 3, 4, 5, 6]
+    assert [d.seq async for d in bus.read(Context.ROLLOUTS, start_seq=4)] == [4, 5, 6]
+    only_b = [d.event.rollout_id async for d in bus.read(Context.ROLLOUTS, filter_subject="gyre.b.rollouts.>")]
+    assert only_b == ["ro-3", "ro-4", "ro-5"]
+    assert [d async for d in bus.read(Context.CALLS)] == []
+    future = datetime.now(UTC) + timedelta(hours=1)
+    assert [d async for d in bus.read(Context.ROLLOUTS, start_time=future)] == []
+    assert [d.seq async for d in bus.read(Context.ROLLOUTS, until_seq=2)] == [1, 2]
+
+
+async def test_durable_consumer_resumes_where_it_stopped(bus) -> None:
+    await bus.publish_many([started(i) for i in range(10)])
+    cfg = ConsumerConfig(name="c1", context=Context.ROLLOUTS, batch=4)
+    first = await consume(bus, cfg, until=4)
+    assert [d.seq for d in first] == [1, 2, 3, 4]
+    await asyncio.sleep(0.1)
+    rest = await consume(bus, cfg, until=6)
+    assert [d.seq for d in rest] == [5, 6, 7, 8, 9, 10]
+
+
+async def test_failing_handler_is_retried_in_order(bus) -> None:
+    await bus.publish_many([started(i) for i in range(4)])
+    failures = {2: 2}  # seq 2 fails twice, then succeeds
+
+    async def flaky(d: Delivery) -> None:
+        if failures.get(d.seq, 0) > 0:
+            failures[d.seq] -= 1
+            raise RuntimeError("transient")
+
+    cfg = ConsumerConfig(name="c2", context=Context.ROLLOUTS, retry_delay_s=0.05, max_deliver=5)
+    got = await consume(bus, cfg, until=4, handler=flaky)
+    assert [d.seq for d in got] == [1, 2, 3, 4]
+    assert got[1].num_delivered == 3
+
+
+async def test_poison_and_rejected_events_are_dead_lettered_and_the_consumer_goes_on(bus) -> None:
+    await bus.publish(started(0))
+    # a message no decoder accepts, straight onto the stream
+    if isinstance(bus, InMemoryBus):
+        bus.append(Context.ROLLOUTS.stream, "gyre.r1.rollouts.Bogus", b'{"type":"Bogus"}', "bogus-1",
+                   datetime.now(UTC))
+    else:
+        await bus.publish_raw("gyre.r1.rollouts.Bogus", b'{"type":"Bogus"}', {"Nats-Msg-Id": "bogus-1"})
+    await bus.publish(RolloutFinished(run_id="r1", rollout_id="ro-x", wall_time_s=1.0))
+    await bus.publish(started(2))
+
+    async def reject_finished(d: Delivery) -> None:
+        if isinstance(d.event, RolloutFinished):
+            raise PermanentError("cannot apply")
+
+    cfg = ConsumerConfig(name="c3", context=Context.ROLLOUTS, retry_delay_s=0.05)
+    got = await consume(bus, cfg, until=2, handler=reject_finished)
+    assert [d.seq for d in got] == [1, 4]
+    reasons = await dead_letters(bus, "c3", expect=2)
+    assert any("unknown event type 'Bogus'" in r for r in reasons)
+    assert any("cannot apply" in r for r in reasons)
+
+
+async def dead_letters(bus, consumer: str, expect: int) -> list[str]:
+    if isinstance(bus, InMemoryBus):
+        return [d.reason for d in bus.dead_letters if d.consumer == consumer]
+    reasons: list[str] = []
+    for _ in range(50):
+        reasons = [m.headers["Gyre-Dead-Reason"] async for m in bus.read_raw(
+            "GYRE_DEADLETTER", filter_subject=f"gyredlq.{consumer}")]
+        if len(reasons) >= expect:
+            break
+        await asyncio.sleep(0.05)
+    return reasons
+
+
+async def test_follow_tails_new_events(bus) -> None:
+    await bus.publish(started(0))
+    seen: list[int] = []
+
+    async def tail() -> None:
+        async for raw in bus.follow(Context.ROLLOUTS, start_seq=1):
+            if raw is not None:
+                seen.append(raw.seq)
+                if len(seen) == 3:
+                    return
+
+    task = asyncio.create_task(tail())
+    await asyncio.sleep(0.1)
+    await bus.publish_many([started(1), started(2)])
+    await asyncio.wait_for(task, 5)
+    assert seen == [1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "subject", "ok"),
+    [("gyre.*.calls.>", "gyre.r.calls.CallRecorded.x", True), ("gyre.*.calls.>", "gyre.r.calls", False),
+     ("gyre.r.calls.*", "gyre.r.calls.X", True), ("gyre.r.calls.*", "gyre.r.calls.X.y", False),
+     ("a.b", "a.c", False)],
+)
+def test_memory_subject_matching_follows_nats(pattern: str, subject: str, ok: bool) -> None:
+    assert subject_matches(pattern, subject) is ok

@@ -1,0 +1,120 @@
+"""The ``gyre`` command line, run as a user would (real processes, real servers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from libs.common.settings import GyreSettings
+
+
+def gyre(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    return subprocess.run([sys.executable, "-m", "gyre", *args], env={**clean, **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_help_lists_the_commands() -> None:
+    res = gyre("--help")
+    assert res.returncode == 0
+    for cmd in ("up", "serve", "events", "replay", "db", "bench"):
+        assert cmd in res.stdout
+
+
+def test_up_check_starts_the_embedded_stack_healthy(tmp_path) -> None:
+    res = gyre("up", "--check", "--run-dir", str(tmp_path / "run"), "--run-id", "smoke")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "projector" in res.stderr and "ok" in res.stderr
+    assert (tmp_path / "run" / "gyre.db").exists()
+    assert (tmp_path / "run" / "nats").is_dir()
+
+
+def test_up_records_the_run_config_as_first_event(nats_server, tmp_path) -> None:
+    res = gyre("up", "--check", "--run-dir", str(tmp_path / "run"), "--run-id", "cfg",
+               env={"GYRE_NATS_URL": nats_server.url, "GYRE_ADMIN_TOKEN": "s3cret"})
+    assert res.returncode == 0, res.stderr
+    res = gyre("events", "tail", "--context", "runs", "--json", env={"GYRE_NATS_URL": nats_server.url})
+    first = json.loads(res.stdout.splitlines()[0])
+    assert first["type"] == "RunStarted" and first["run_id"] == "cfg"
+    assert first["config"]["admin_token"] == "***"  # secrets never reach the log
+    assert first["config"]["nats_url"] == nats_server.url
+
+
+def test_serve_rejects_unknown_service_and_missing_nats() -> None:
+    res = gyre("serve", "nonsense")
+    assert res.returncode == 2 and "unknown service" in res.stderr
+    res = gyre("serve", "projector")
+    assert res.returncode == 1 and "GYRE_NATS_URL is not set" in res.stderr
+    assert "projector" in gyre("serve", "--list").stdout
+
+
+def test_bad_settings_are_named(tmp_path) -> None:
+    res = gyre("up", "--check", "--run-id", "has spaces", "--run-dir", str(tmp_path))
+    assert res.returncode != 0 and "run_id" in (res.stderr + res.stdout)
+    with pytest.raises(ValueError):
+        GyreSettings(log_level="LOUD")
+
+
+def test_database_url_forms() -> None:
+    assert GyreSettings(database_url="postgres://u@h/db").sqlalchemy_url == "postgresql+psycopg://u@h/db"
+    assert GyreSettings(database_url="").sqlalchemy_url.startswith("sqlite:///")
+
+
+def test_db_upgrade(tmp_path) -> None:
+    res = gyre("db", "upgrade", "--database-url", f"sqlite:///{tmp_path / 'x.db'}")
+    assert res.returncode == 0 and "revision 0001" in res.stdout
+
+
+def test_bench_bus_prints_one_json_object_last(tmp_path) -> None:
+    res = gyre("bench", "bus", "--json", "--n", "2000")
+    assert res.returncode == 0, res.stderr
+    result = json.loads(res.stdout.strip().splitlines()[-1])
+    for key in ("raw_publish_per_s", "gyre_publish_per_s", "publish_ratio", "raw_consume_per_s",
+                "gyre_consume_per_s", "consume_ratio"):
+        assert result[key] > 0
+    assert gyre("bench", "nope").returncode == 2
+
+
+def test_events_tail_reads_the_log(nats_server) -> None:
+    import asyncio
+
+    from libs.common.bus.jetstream import JetStreamBus
+    from libs.common.events import RunStarted
+
+    async def put() -> None:
+        bus = await JetStreamBus.connect(nats_server.url)
+        await bus.publish(RunStarted(run_id="tailed"))
+        await bus.close()
+
+    asyncio.run(put())
+    res = gyre("events", "tail", "--context", "runs", env={"GYRE_NATS_URL": nats_server.url})
+    assert res.returncode == 0 and "RunStarted" in res.stdout and "tailed" in res.stdout
+    res = gyre("events", "tail", "--context", "nope", env={"GYRE_NATS_URL": nats_server.url})
+    assert res.returncode == 2 and "contexts are" in res.stderr
+
+
+def test_embedded_nats_dies_with_its_parent(tmp_path) -> None:
+    code = (
+        "import sys, time; from pathlib import Path; from libs.common.natsserver import EmbeddedNats\n"
+        f"n = EmbeddedNats(Path({str(tmp_path)!r})).start(); print(n.proc.pid, flush=True); time.sleep(60)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    import time
+
+    for _ in range(100):
+        try:
+            os.kill(child_pid, 0)
+        except ProcessLookupError:
+            return
+        with open(f"/proc/{child_pid}/stat") as f:
+            if f.read().split()[2] == "Z":
+                return
+        time.sleep(0.05)
+    raise AssertionError("nats-server outlived the process that started it")
