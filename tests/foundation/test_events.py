@@ -23,7 +23,7 @@ def samples() -> list[ev.Event]:
         ev.CallRecorded(run_id=r, call_id="c1", rollout_id="ro-1", session_id="s1", api="anthropic_messages",
                         new_input_digest=D, n_new_input_tokens=10, output_digest=D, logprobs_digest=D,
                         n_output_tokens=5, weight_spans=[{"start": 0, "end": 5, "version": 3}],
-                        drift=ev.DriftClass.EXTEND),
+                        drift=ev.DriftClass.APPEND),
         ev.RolloutScored(run_id=r, rollout_id="ro-1", score=0.5, tests=[{"name": "a", "outcome": "passed"}],
                          partial=True),
         ev.SwitchRequested(run_id=r, cell="cell-1", from_role="inference", to_role="training",

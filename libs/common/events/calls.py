@@ -15,12 +15,16 @@ from .registry import register
 
 
 class DriftClass(str, enum.Enum):
-    """How a call's rendered input relates to the session's earlier calls."""
+    """How a call's request relates to the rollout's earlier calls (TITO matching).
 
-    FRESH = "fresh"  # no earlier call shares a prefix
-    EXTEND = "extend"  # earlier input + output is an exact token prefix
-    RETOKENIZED = "retokenized"  # same text, other tokens: the recorded tokens were kept
-    REWRITE = "rewrite"  # history edited or replaced (compaction, truncation, edits)
+    Whatever the class, the engine receives the recorded ids for the reused part.
+    """
+
+    FRESH = "fresh"  # first call of the rollout: nothing to match
+    APPEND = "append"  # an earlier call's messages + reply, then new messages: clean
+    TEMPLATE_DRIFT = "template_drift"  # the template re-renders the reply differently (e.g. thinking stripped)
+    RETOKEN_DRIFT = "retoken_drift"  # same text, but re-encoding it gives other ids than generated
+    FORK = "fork"  # history rewritten: compaction, edit, retry, a new sub-agent conversation
 
 
 class WeightSpan(BaseModel):
@@ -74,6 +78,10 @@ class CallRecorded(Event):
     n_output_tokens: int = Field(ge=0)
     weight_spans: list[WeightSpan] = Field(default_factory=list)
     drift: DriftClass = DriftClass.FRESH
+    # message-boundary index of this call (hash chain -> token offset), so another proxy
+    # replica or a restarted one can match later calls against it exactly
+    match_index_digest: Digest | None = None
+    model: str | None = None  # the model name the agent asked for
     finish_reason: str | None = None
     delivered: bool = True
     hints: SessionHints = Field(default_factory=SessionHints)
