@@ -76,7 +76,7 @@ def serve(
     try:
         asyncio.run(serve_spec(spec, settings, port=port or free_port(), options={"batch": batch}))
     except Exception as exc:
-        logging.getLogger("gyre").error("%s stopped: %s", service, exc)
+        logging.getLogger("gyre").error("%s stopped: %r", service, exc, exc_info=True)
         raise typer.Exit(1) from exc
 
 
@@ -118,6 +118,33 @@ def events_export(
 
     n = asyncio.run(export(_settings(), _contexts(context), run_id, out))
     typer.echo(f"exported {n} events to {out}", err=True)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def sim(ctx: typer.Context) -> None:
+    """Cluster-scale simulation of the scheduler (colocate, async, elastic); `gyre sim --help`."""
+    from services.scheduler.sim.cli import main as sim_main
+
+    raise typer.Exit(sim_main(list(ctx.args)))
+
+
+tree_app = typer.Typer(no_args_is_help=True, help="Trajectory trees, rebuilt from the log.")
+app.add_typer(tree_app, name="tree")
+
+
+@tree_app.command("show")
+def tree_show(
+    rollout: Annotated[str, typer.Argument(help="rollout id")],
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text | svg | dot")] = "text",
+    run_id: Annotated[Optional[str], typer.Option("--run", help="run id [GYRE_RUN_ID]")] = None,
+    tokens: Annotated[bool, typer.Option("--tokens", help="show token ids")] = False,
+) -> None:
+    """Print one rollout's trajectory tree: forks, roles, selected branches."""
+    from gyre.events_cmd import tree_show as show
+
+    if fmt not in ("text", "svg", "dot"):
+        raise typer.BadParameter("--format is text, svg or dot")
+    typer.echo(asyncio.run(show(_settings(run_id=run_id), rollout, fmt, tokens)))
 
 
 @app.command()

@@ -97,3 +97,16 @@ async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) 
             await bus.close()
     return {"database": url, "applied": applied, "dead_lettered": runner.dead_lettered, "digest": digest["*"],
             "tables": {k: v for k, v in digest.items() if k != "*"}}
+
+
+async def tree_show(settings: GyreSettings, rollout: str, fmt: str, tokens: bool) -> str:
+    from libs.common.blobs import ObjectStoreBlobStore
+    from services.trajectory.main import ledger_config
+    from services.trajectory.show import show_rollout
+
+    bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-tree")
+    try:
+        blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
+        return await show_rollout(bus, blobs, ledger_config(settings.run_id, {}), rollout, fmt=fmt, show_tokens=tokens)
+    finally:
+        await bus.close()

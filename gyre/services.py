@@ -32,7 +32,29 @@ async def projector_main(ctx: ServiceContext) -> None:
     task.result()
 
 
+async def proxy_main(ctx: ServiceContext) -> None:
+    from services.proxy.main import proxy_main as run
+
+    await run(ctx)
+
+
+def _trajectory_spec() -> ServiceSpec:
+    from services.trajectory.main import SPEC
+
+    return SPEC
+
+
+async def evaluator_main(ctx: ServiceContext) -> None:
+    from services.evaluator.main import evaluator_main as run
+
+    await run(ctx)
+
+
 SERVICES: dict[str, ServiceSpec] = {
     "projector": ServiceSpec("projector", projector_main, database=True,
                              summary="applies the event log to the SQL read models"),
+    "proxy": ServiceSpec("proxy", proxy_main, summary="recording proxy: OpenAI/Anthropic APIs, token-exact (TITO)"),
+    "trajectory": _trajectory_spec(),
+    "evaluator": ServiceSpec("evaluator", evaluator_main,
+                             summary="scores finished and timed-out rollouts from their artifacts, in sandboxes"),
 }

@@ -148,8 +148,14 @@ def _watch(settings: GyreSettings, children: list[Child], console: Console, *, c
             _poll(children, client)
             live.update(_table(settings, settings.nats_url or "", children))
             healthy = all(c.state == "ok" for c in children)
-            if any(c.proc.poll() is not None for c in children):
-                console.print("[red]a service exited; see its log under[/] " + str(settings.run_dir / "logs"))
+            exited = [c for c in children if c.proc.poll() is not None]
+            if exited:
+                live.update(_table(settings, settings.nats_url or "", children))
+                for c in exited:
+                    log = settings.run_dir / "logs" / f"{c.name}.log"
+                    tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+                    console.print(f"[red]{c.name} exited ({c.proc.returncode}); last lines of {log}:[/]")
+                    console.print("\n".join(tail), markup=False, highlight=False)
                 return 1
             if check and healthy:
                 return 0

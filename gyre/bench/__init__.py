@@ -16,6 +16,27 @@ def _bus(**kw: Any) -> dict[str, Any]:
     return run_bus_bench(**kw)
 
 
+def _tree(n: int | None = None, progress: bool = True) -> dict[str, Any]:
+    from services.trajectory.bench import run_bench
+
+    return run_bench(**({"preset": "small"} if n == 1 else {}))
+
+
+def _proxy(n: int | None = None, progress: bool = True) -> dict[str, Any]:
+    from services.proxy.bench import run_bench
+
+    return run_bench(turns=n or 50, progress=progress)
+
+
+def _sim(n: int | None = None, progress: bool = True) -> dict[str, Any]:
+    from services.scheduler.sim.bench import run_bench
+
+    return run_bench("seed-nl2repo", steps=n or 48, png="docs/sim/roles-seed-nl2repo.png")
+
+
 BENCHMARKS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "bus": (_bus, "raw nats-py vs Gyre's bus: publish and durable consume rates (ratios >= 0.8)"),
+    "tree": (_tree, "trajectory trees: storage and training-token savings of prefix merging (--n 1: small)"),
+    "proxy": (_proxy, "recording proxy overhead vs the same /generate bodies sent direct (1k/32k/256k contexts)"),
+    "sim": (_sim, "the scheduler simulator on the seed workload (same as `gyre sim --json`; --n steps)"),
 }

@@ -117,15 +117,28 @@ class FileBlobStore:
 
 
 class ObjectStoreBlobStore:
-    """JetStream object store: objects named by digest, chunked by the server client."""
+    """Blobs on JetStream: small ones as single messages, large ones in the object store.
 
-    def __init__(self, obs: Any) -> None:
+    A call's token arrays are small and many; the object store spends several round trips
+    per object (a look-up, the chunks, the metadata). So a blob of at most
+    ``SMALL_BYTES`` is one message on the ``GYRE_BLOBS_<bucket>`` stream, subject
+    ``gyreblob.<bucket>.<digest>``, published with pipelined acks and de-duplicated by
+    digest; read back with a direct get of the subject's last message. Larger blobs
+    (workspace snapshots, checkpoints) go to the JetStream object store, chunked.
+    """
+
+    SMALL_BYTES = 512 * 1024
+
+    def __init__(self, js: Any, obs: Any, bucket: str) -> None:
+        self.js = js
         self.obs = obs
+        self.bucket = bucket
+        self.stream = f"GYRE_BLOBS_{bucket.upper().replace('-', '_')}"
 
     @classmethod
     async def open(cls, js: Any, bucket: str = "gyre-blobs", *, replicas: int = 1) -> "ObjectStoreBlobStore":
         from nats.js import api
-        from nats.js.errors import BucketNotFoundError, NotFoundError
+        from nats.js.errors import BadRequestError, BucketNotFoundError, NotFoundError
 
         try:
             obs = await js.object_store(bucket)
@@ -133,17 +146,43 @@ class ObjectStoreBlobStore:
             obs = await js.create_object_store(
                 bucket, config=api.ObjectStoreConfig(bucket=bucket, storage=api.StorageType.FILE, replicas=replicas)
             )
-        return cls(obs)
+        store = cls(js, obs, bucket)
+        cfg = api.StreamConfig(name=store.stream, subjects=[f"gyreblob.{bucket}.*"], storage=api.StorageType.FILE,
+                               num_replicas=replicas, max_msg_size=cls.SMALL_BYTES + 4096, allow_direct=True,
+                               max_msgs_per_subject=1, duplicate_window=120.0)
+        try:
+            await js.add_stream(cfg)
+        except BadRequestError:
+            await js.update_stream(cfg)
+        return store
+
+    def _subject(self, digest: str) -> str:
+        return f"gyreblob.{self.bucket}.{digest}"
 
     async def put(self, data: bytes) -> str:
         d = digest_of(data)
-        if not await self.has(d):
+        if len(data) <= self.SMALL_BYTES:
+            fut = await self.js.publish_async(self._subject(d), data, headers={"Nats-Msg-Id": d})
+            await fut
+        elif not await self.has(d):
             await self.obs.put(d, data)
         return d
+
+    async def _small(self, digest: str) -> bytes | None:
+        from nats.js.errors import NotFoundError
+
+        try:
+            msg = await self.js.get_last_msg(self.stream, self._subject(digest), direct=True)
+        except NotFoundError:
+            return None
+        return msg.data or b""
 
     async def get(self, digest: str) -> bytes:
         from nats.js.errors import ObjectNotFoundError, NotFoundError
 
+        small = await self._small(digest)
+        if small is not None:
+            return _check(digest, small)
         try:
             res = await self.obs.get(digest)
         except (ObjectNotFoundError, NotFoundError):
@@ -153,6 +192,8 @@ class ObjectStoreBlobStore:
     async def has(self, digest: str) -> bool:
         from nats.js.errors import ObjectNotFoundError, NotFoundError
 
+        if await self._small(digest) is not None:
+            return True
         try:
             info = await self.obs.get_info(digest)
         except (ObjectNotFoundError, NotFoundError):

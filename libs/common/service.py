@@ -49,6 +49,7 @@ class ServiceContext:
     stop: asyncio.Event
     registry: CollectorRegistry
     options: dict[str, Any]
+    app: FastAPI  # the served app: a service may mount its own API on it (after /health, /metrics)
 
 
 @dataclass(frozen=True)
@@ -82,14 +83,15 @@ async def serve(spec: ServiceSpec, settings: GyreSettings, *, port: int, options
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    config = uvicorn.Config(create_app(health, registry), host=settings.host, port=port, log_level="warning",
-                            lifespan="off")
+    app = create_app(health, registry)
+    config = uvicorn.Config(app, host=settings.host, port=port, log_level="warning", lifespan="off",
+                            timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
     http = asyncio.create_task(server.serve())
     try:
         async with open_runtime(settings, name=spec.name, database=spec.database, migrate=spec.database) as rt:
-            ctx = ServiceContext(rt, health, stop, registry, options or {})
+            ctx = ServiceContext(rt, health, stop, registry, options or {}, app)
             main = asyncio.create_task(spec.main(ctx))
             waiter = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({main, waiter}, return_when=asyncio.FIRST_COMPLETED)

@@ -39,7 +39,7 @@ async def test_put_get_has_by_content_digest(store) -> None:
 
 
 async def test_large_blob_round_trips_in_chunks(store) -> None:
-    data = os.urandom(3 * 1024 * 1024 + 17)  # several object-store chunks
+    data = os.urandom(3 * 1024 * 1024 + 17)  # large: several object-store chunks
     d = await store.put(data)
     assert await store.get(d) == data
 

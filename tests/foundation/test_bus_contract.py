@@ -158,3 +158,23 @@ async def test_follow_tails_new_events(bus) -> None:
 )
 def test_memory_subject_matching_follows_nats(pattern: str, subject: str, ok: bool) -> None:
     assert subject_matches(pattern, subject) is ok
+
+
+async def test_last_on_subject_finds_the_newest_message_of_one_entity(bus) -> None:
+    assert await bus.last_on_subject(Context.ROLLOUTS, "gyre.r1.rollouts.RolloutStarted.ro-1") is None
+    await bus.publish_many([started(1), started(2)])
+    got = await bus.last_on_subject(Context.ROLLOUTS, "gyre.r1.rollouts.RolloutStarted.ro-1")
+    assert got is not None and got.seq == 1
+    from libs.common.events import decode
+
+    assert decode(got.data).rollout_id == "ro-1"
+
+
+async def test_optimistic_append_on_a_subject(bus) -> None:
+    from libs.common.bus.port import ConcurrencyConflict
+
+    assert await bus.publish(started(1), expect_last_subject_seq=0) == 1
+    with pytest.raises(ConcurrencyConflict):
+        await bus.publish(started(1).model_copy(update={"event_id": "other"}), expect_last_subject_seq=0)
+    assert await bus.publish(started(1).model_copy(update={"event_id": "third"}), expect_last_subject_seq=1) == 2
+    assert await bus.publish(started(2), expect_last_subject_seq=0) == 3  # another subject counts on its own

@@ -52,7 +52,7 @@ def test_every_contract_event_is_registered() -> None:
                      "MicroStepClaimed", "MicroStepDone", "StepApplied", "WeightsPublished"):
         assert required in names
     for cls in ev.event_types().values():
-        assert cls.TYPE.endswith(("ed", "Done", "TimedOut")), cls.TYPE  # past-tense names
+        assert cls.TYPE.endswith(("ed", "Done", "TimedOut", "Entered")), cls.TYPE  # past-tense names
 
 
 def test_subject_carries_run_context_type_and_key() -> None:

@@ -23,7 +23,7 @@ from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError
 
 from ..events import Context, Event, EventDecodeError, decode
-from .port import ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal
+from .port import ConcurrencyConflict, ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal
 
 log = logging.getLogger(__name__)
 
@@ -129,8 +129,16 @@ class JetStreamBus:
 
     # -- publishing ------------------------------------------------------------
 
-    async def publish(self, event: Event) -> int:
-        ack = await self.js.publish(event.subject, event.to_json(), headers=headers_for(event), timeout=10)
+    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None) -> int:
+        headers = headers_for(event)
+        if expect_last_subject_seq is not None:
+            headers["Nats-Expected-Last-Subject-Sequence"] = str(expect_last_subject_seq)
+        try:
+            ack = await self.js.publish(event.subject, event.to_json(), headers=headers, timeout=10)
+        except BadRequestError as exc:
+            if expect_last_subject_seq is not None and "wrong last sequence" in str(exc).lower():
+                raise ConcurrencyConflict(f"{event.subject}: newer than {expect_last_subject_seq}") from exc
+            raise
         return int(ack.seq)
 
     async def publish_many(self, events: Iterable[Event], *, timeout_s: float = 30.0) -> list[int]:
@@ -176,7 +184,7 @@ class JetStreamBus:
             while not stop.is_set():
                 try:
                     msgs = await sub.fetch(config.batch, timeout=0.5)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     continue
                 await self._handle_batch(config, handler, msgs)
         finally:
@@ -219,6 +227,13 @@ class JetStreamBus:
         await self.dead_letter(config.name, raw, reason)
         await msg.ack()  # only after the dead letter is stored
 
+    async def last_on_subject(self, context: Context, subject: str) -> RawMessage | None:
+        try:
+            m = await self.js.get_last_msg(context.stream, subject)
+        except NotFoundError:
+            return None
+        return RawMessage(context.stream, int(m.seq), m.subject, m.data or b"")
+
     async def dead_letter(self, consumer: str, message: RawMessage, reason: str) -> None:
         headers = {
             "Nats-Msg-Id": f"dlq-{consumer}-{message.stream}-{message.seq}",
@@ -243,7 +258,7 @@ class JetStreamBus:
             while True:
                 try:
                     msg = await sub.next_msg(timeout=idle_s)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     yield None
                     continue
                 yield RawMessage(context.stream, msg.metadata.sequence.stream, msg.subject, msg.data)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from ..events import Context, Event, EventDecodeError, decode
-from .port import ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal
+from .port import ConcurrencyConflict, ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -53,7 +53,11 @@ class InMemoryBus:
     _positions: dict[str, int] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def publish(self, event: Event) -> int:
+    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None) -> int:
+        if expect_last_subject_seq is not None and event.event_id not in self._ids:
+            last = await self.last_on_subject(event.CONTEXT, event.subject)
+            if (last.seq if last else 0) != expect_last_subject_seq:
+                raise ConcurrencyConflict(f"{event.subject}: newer than {expect_last_subject_seq}")
         return self.append(event.CONTEXT.stream, event.subject, event.to_json(), event.event_id, event.time)
 
     async def publish_many(self, events: Iterable[Event]) -> list[int]:
@@ -127,6 +131,12 @@ class InMemoryBus:
 
     def _dead(self, config: ConsumerConfig, item: _Stored, reason: str) -> None:
         self.dead_letters.append(DeadLetter(config.name, config.context.stream, item.seq, reason, item.data))
+
+    async def last_on_subject(self, context: Context, subject: str) -> RawMessage | None:
+        for item in reversed(self.streams.get(context.stream, [])):
+            if item.subject == subject:
+                return RawMessage(context.stream, item.seq, item.subject, item.data)
+        return None
 
     async def dead_letter(self, consumer: str, message: RawMessage, reason: str) -> None:
         key = (consumer, message.stream, message.seq)

@@ -40,6 +40,10 @@ class RawMessage:
     data: bytes
 
 
+class ConcurrencyConflict(Exception):
+    """An optimistic append found a newer message on the subject than expected."""
+
+
 class PermanentError(Exception):
     """A handler raises this for an event it can never apply: it is dead-lettered, not retried."""
 
@@ -68,8 +72,11 @@ class ConsumerConfig:
 
 @runtime_checkable
 class EventBus(Protocol):
-    async def publish(self, event: Event) -> int:
-        """Append one event; returns its stream sequence once the server has stored it."""
+    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None) -> int:
+        """Append one event; returns its stream sequence once the server has stored it.
+
+        With ``expect_last_subject_seq`` the append happens only if the newest message on
+        the event's subject has that sequence (0: none); else ``ConcurrencyConflict``."""
 
     async def publish_many(self, events: Iterable[Event]) -> list[int]:
         """Append many events with pipelined acks; all stored when it returns."""
@@ -96,6 +103,9 @@ class EventBus(Protocol):
     ) -> AsyncIterator[RawMessage | None]:
         """Tail a stream in order from ``start_seq``, forever; yields ``None`` after ``idle_s``
         without a message so the caller can commit and check for stop."""
+
+    async def last_on_subject(self, context: Context, subject: str) -> RawMessage | None:
+        """The newest message stored on exactly ``subject`` (None if there is none)."""
 
     async def dead_letter(self, consumer: str, message: RawMessage, reason: str) -> None:
         """Store ``message`` on ``gyredlq.<consumer>`` with its reason (idempotent)."""

@@ -6,7 +6,8 @@ see DESIGN.md "Contracts between services" for owners.
 
 from . import calls, cells, rollouts, runs, scores, training, trees  # noqa: F401  (registers)
 from .calls import CallRecorded, DriftClass, RequestRouted, SessionOpened, SessionRerouted
-from .cells import CellRegistered, SwitchCompleted, SwitchFailed, SwitchRequested, WaterLevelSampled
+from .cells import (CellRegistered, SwitchCompleted, SwitchFailed, SwitchPhaseEntered, SwitchRequested,
+                    WaterLevelSampled)
 from .envelope import Context, Event, new_event_id, subject_token
 from .registry import EventDecodeError, decode, decode_dict, event_types, types_in, upcaster
 from .rollouts import RolloutFinished, RolloutStarted, RolloutTimedOut
@@ -20,7 +21,7 @@ __all__ = [
     "ForkDetected", "MicroStepClaimed", "MicroStepDone", "MicroStepQueued", "RequestRouted",
     "RolloutFinished", "RolloutScored", "RolloutScoringFailed", "RolloutStarted",
     "RolloutTimedOut", "RunFinished", "RunStarted", "SamplesSelected", "SessionOpened",
-    "SessionRerouted", "StepApplied", "SwitchCompleted", "SwitchFailed", "SwitchRequested",
+    "SessionRerouted", "StepApplied", "SwitchCompleted", "SwitchFailed", "SwitchPhaseEntered", "SwitchRequested",
     "TestOutcome", "TreeSealed", "WaterLevelSampled", "WeightsPublished", "decode",
     "decode_dict", "event_types", "new_event_id", "subject_token", "types_in", "upcaster",
 ]

@@ -38,10 +38,13 @@ class WeightSpan(BaseModel):
 
 class SessionHints(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
-    agent_id: str | None = None  # e.g. a harness's agent/session id header
+    agent_id: str | None = None  # e.g. Claude Code's x-claude-code-agent-id (sub-agents only)
+    parent_agent_id: str | None = None  # x-claude-code-parent-agent-id (nested sub-agents)
     system_digest: Digest | None = None
     tools_digest: Digest | None = None
     role: str | None = None  # explicit x-gyre-role header, if any
+    # what the proxy recognised the request as, when it could tell (harness-specific rules)
+    kind: Literal["main", "subagent", "compaction_summary", "post_compaction", "side"] | None = None
 
 
 class CallTimings(BaseModel):

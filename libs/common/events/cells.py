@@ -63,3 +63,17 @@ class WaterLevelSampled(Event):
     running_calls: int = Field(ge=0)
     unfinished_rollouts: int = Field(default=0, ge=0)
     cells_by_role: dict[str, int] = Field(default_factory=dict)
+    # the policy's own state, so a replay rebuilds its hysteresis exactly
+    pressure: str | None = None  # steady | release | reclaim | idle_trainers
+    smoothed_level: float | None = None
+    training_backlog: int | None = Field(default=None, ge=0)
+
+
+@register
+class SwitchPhaseEntered(Event):
+    """A cell moved into a transitional phase of a switch (draining, migrating, ...)."""
+
+    CONTEXT = Context.CELLS
+    KEY = "cell"
+    cell: str = Field(min_length=1)
+    phase: str = Field(min_length=1)

@@ -20,12 +20,14 @@ class RolloutStarted(Event):
     api_key_digest: Digest
     step: int = Field(default=0, ge=0)
     time_limit_s: float | None = Field(default=None, gt=0)
+    group_size: int | None = Field(default=None, ge=1)  # rollouts in the group, when known up front
 
 
 class _RolloutEnded(Event):
     CONTEXT = Context.ROLLOUTS
     KEY = "rollout_id"
     rollout_id: str = Field(min_length=1)
+    task_id: str | None = None  # repeated from RolloutStarted so the evaluator needs no look-up
     snapshot_digest: Digest | None = None  # tar archive of the workspace in the blob store
     exit_status: int | None = None
     wall_time_s: float = Field(ge=0)

@@ -16,6 +16,7 @@ class TestOutcome(BaseModel):
     name: str
     outcome: Literal["passed", "failed", "error", "skipped", "missing"]
     weight: float = Field(default=1.0, ge=0)
+    message: str = ""  # the failure line, when there is one
 
 
 @register
@@ -28,6 +29,7 @@ class RolloutScored(Event):
     tests: list[TestOutcome] = Field(default_factory=list)
     partial: bool = False  # scored from a timed-out rollout's artifacts
     isolation: str = ""  # which sandbox was in force
+    reason: str = ""  # why the score is what it is, when notable (e.g. "collection error: ...")
 
 
 @register

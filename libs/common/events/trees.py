@@ -22,6 +22,7 @@ class ForkDetected(Event):
     parent_call_id: str | None = None
     fork_type: ForkType
     position: int = Field(ge=0)  # token depth where the branches part
+    role: BranchRole | None = None  # role of the branch that starts here
 
 
 class SampleRef(BaseModel):
@@ -37,7 +38,8 @@ class TreeSealed(Event):
     CONTEXT = Context.TREES
     KEY = "rollout_id"
     rollout_id: str = Field(min_length=1)
-    tree_digest: Digest
+    tree_digest: Digest  # the sealed tree's summary blob
+    content_digest: Digest | None = None  # canonical digest of the tree's content (order-free)
     n_calls: int = Field(ge=0)
     n_nodes: int = Field(ge=0)
     n_tokens: int = Field(ge=0)
@@ -62,3 +64,5 @@ class MicroStepQueued(Event):
     sample_digests: list[Digest] = Field(min_length=1)
     advantages: list[float] = Field(min_length=1)
     n_tokens: int = Field(ge=0)
+    rollout_ids: list[str] = Field(default_factory=list)  # parallel to sample_digests
+    micro_steps_in_step: int | None = Field(default=None, ge=1)  # when known: the step is complete at this count

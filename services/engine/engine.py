@@ -1,0 +1,381 @@
+"""The engine loop: one thread owns the model, the prefix cache and the scheduler.
+
+Everything that touches them (new requests, aborts, pauses, weight updates, memory
+release) is a command run on that thread between two forward steps, so a step never sees
+half-applied weights and no lock is needed. HTTP handlers talk to it through
+:meth:`Engine.call` (returns a future) and per-request subscribers fed with
+``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .kv_cache import PrefixKVCache
+from .model_runner import ForwardItem, KVBuffer, ModelRunner
+from .params import InvalidRequest, SamplingParams, check_input_ids
+from .sampler import SampleSpec, new_generator, sample
+from .scheduler import PauseMode, Scheduler, Sequence, check_stop, trim_stop_text
+from .settings import EngineSettings
+
+log = logging.getLogger(__name__)
+
+
+class EngineBusy(RuntimeError):
+    """An operation that needs an idle (or paused) engine found work in flight."""
+
+
+class MemoryReleased(RuntimeError):
+    """Generation was asked for while weights or KV memory are released."""
+
+
+@dataclass
+class Subscriber:
+    """Receives a request's snapshots on the caller's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    stream: bool
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def post(self, snapshot: dict, final: bool) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (snapshot, final))
+        except RuntimeError:  # the caller's event loop is gone; nobody is listening
+            pass
+
+    async def updates(self):
+        while True:
+            snapshot, final = await self.queue.get()
+            yield snapshot, final
+            if final:
+                return
+
+
+@dataclass
+class _Live:
+    """What the engine thread keeps beside a pure Sequence."""
+
+    subscriber: Subscriber
+    generator: Any
+    started: float
+    kv: KVBuffer | None = None
+
+
+@dataclass
+class _PendingWhenIdle:
+    action: Callable[[], Any]
+    future: Future
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, tokenizer, settings: EngineSettings) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.settings = settings
+        self.max_context = min(settings.max_context or runner.shape.max_positions, runner.shape.max_positions)
+        self.scheduler = Scheduler(
+            settings.max_running_requests,
+            settings.step_token_budget,
+            self.max_context,
+            max_running_tokens=settings.running_kv_bytes // runner.shape.kv_bytes_per_token,
+        )
+        self.prefix_cache = PrefixKVCache(runner.shape, settings.kv_cache_bytes)
+        self.weight_version = settings.weight_version
+        self.eos_ids = _eos_ids(runner, tokenizer)
+        self.vocab_limit = min(runner.shape.vocab_size, max(len(tokenizer), 1))
+        self.released: set[str] = set()  # memory tags released ("weights", "kv_cache")
+        self._live: dict[str, _Live] = {}
+        self._commands: queue.Queue = queue.Queue()
+        self._when_idle: list[_PendingWhenIdle] = []
+        self._thread = threading.Thread(target=self._run, name="gyre-engine", daemon=True)
+        self._stopping = False
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self.alive:  # answer whoever still waits, then end the loop
+            self.call(lambda: self.abort(None, "engine stopping")).result(timeout=30)
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # -- commands (any thread) ---------------------------------------------------------
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Runs ``fn`` on the engine thread between steps."""
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return future
+
+    async def acall(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.wrap_future(self.call(fn))
+
+    def call_when_idle(self, fn: Callable[[], Any]) -> Future:
+        """Runs ``fn`` once nothing is running: at once when idle or paused; otherwise new
+        admissions are held and it runs right after the last running sequence ends."""
+        future: Future = Future()
+
+        def park() -> None:
+            if self.scheduler.paused is not None or not self.scheduler.running:
+                _resolve(future, fn)
+            else:
+                self.scheduler.hold_admission = True
+                self._when_idle.append(_PendingWhenIdle(fn, future))
+
+        self._commands.put((park, Future()))
+        return future
+
+    def new_sequence(
+        self,
+        input_ids: list[int],
+        params: SamplingParams,
+        return_logprob: bool,
+        rid: str | None,
+        top_logprobs_num: int = 0,
+    ) -> Sequence:
+        check_input_ids(input_ids, self.vocab_limit, self.max_context)
+        if not 0 <= top_logprobs_num <= 100:
+            raise InvalidRequest("top_logprobs_num must be between 0 and 100")
+        return Sequence(
+            rid=rid or uuid.uuid4().hex,
+            input_ids=list(input_ids),
+            params=params,
+            return_logprob=return_logprob,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+            eos_ids=self.eos_ids,
+        )
+
+    async def submit(self, seq: Sequence, stream: bool) -> Subscriber:
+        subscriber = Subscriber(asyncio.get_running_loop(), stream)
+
+        def add() -> None:
+            if self.released:
+                raise MemoryReleased(f"memory released ({', '.join(sorted(self.released))}); resume first")
+            if seq.rid in self._live:
+                raise InvalidRequest(f"rid {seq.rid!r} is already in flight")
+            self._live[seq.rid] = _Live(subscriber, new_generator(seq.params.sampling_seed), time.monotonic())
+            self.scheduler.add(seq)
+
+        await self.acall(add)
+        return subscriber
+
+    def abort(self, rids: list[str] | None, message: str = "aborted") -> int:
+        """Engine thread only: ends the given requests (all when None)."""
+        ended = self.scheduler.abort(rids, message)
+        for seq in ended:
+            self._complete(seq)
+        return len(ended)
+
+    def pause(self, mode: PauseMode) -> int:
+        aborted, retracted = self.scheduler.pause(mode)
+        for seq in aborted:
+            self._complete(seq)
+        for seq in retracted:
+            self._drop_kv(seq, keep_in_cache=True)
+        self._run_idle_actions()
+        return len(aborted) + len(retracted)
+
+    def resume(self) -> None:
+        self.scheduler.resume()
+
+    def flush_cache(self) -> None:
+        if self.scheduler.busy():
+            raise EngineBusy("cannot flush the cache while requests are in flight")
+        self.prefix_cache.flush()
+
+    # -- the loop (engine thread) ------------------------------------------------------
+    def _run(self) -> None:
+        if self.settings.num_threads:  # OpenMP thread counts are per calling thread
+            import torch
+
+            torch.set_num_threads(self.settings.num_threads)
+        while not self._stopping:
+            block = not self.scheduler.has_work()
+            try:
+                command = self._commands.get(block=block, timeout=None)
+            except queue.Empty:
+                command = None
+            else:
+                if command is None:
+                    continue
+                self._execute(*command)
+                self._drain_commands()
+            if self.scheduler.has_work():
+                try:
+                    self._step()
+                except Exception:  # a bug in a step must not kill the cell: fail the batch
+                    log.exception("engine step failed; aborting running requests")
+                    self.abort(None, "engine error")
+            self._run_idle_actions()
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command is not None:
+                self._execute(*command)
+
+    @staticmethod
+    def _execute(fn: Callable[[], Any], future: Future) -> None:
+        _resolve(future, fn)
+
+    def _run_idle_actions(self) -> None:
+        if not self._when_idle:
+            return
+        if self.scheduler.running and self.scheduler.paused is None:
+            return
+        pending, self._when_idle = self._when_idle, []
+        self.scheduler.hold_admission = False
+        for item in pending:
+            _resolve(item.future, item.action)
+
+    def _step(self) -> None:
+        for seq in self.scheduler.admit():
+            self._attach(seq)
+        feeds = self.scheduler.plan()
+        if not feeds:
+            return
+        items = []
+        for feed in feeds:
+            live = self._live[feed.seq.rid]
+            ids = feed.seq.all_ids[feed.start : feed.start + feed.count]
+            items.append(ForwardItem(live.kv, ids, feed.samples))
+        logits = self.runner.forward(items)
+        self.steps += 1
+        for feed in feeds:
+            feed.seq.kv_len = self._live[feed.seq.rid].kv.length
+        sampling = [feed.seq for feed in feeds if feed.samples]
+        specs = [SampleSpec(s.params, s.return_logprob, self._live[s.rid].generator, s.top_logprobs_num)
+                 for s in sampling]
+        tokens, logprobs, tops = sample(logits, specs, self.vocab_limit)
+        for seq, token, logprob, top in zip(sampling, tokens, logprobs, tops):
+            if seq.top_logprobs_num:
+                seq.output_top_logprobs.append(top)
+            self._append(seq, token, logprob)
+
+    def _attach(self, seq: Sequence) -> None:
+        live = self._live[seq.rid]
+        if seq.params.max_new_tokens == 0 and not seq.output_ids:
+            self.scheduler.finish(seq, {"type": "length", "length": 0})
+            self._complete(seq)
+            return
+        ids = seq.all_ids
+        live.kv = self.runner.new_kv(len(ids) + min(seq.params.max_new_tokens, 512))
+        cached = self.prefix_cache.attach_prefix(ids, live.kv)
+        seq.kv_len = cached
+        if not seq.admitted_once:
+            seq.cached_tokens = cached
+            seq.admitted_once = True
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None) -> None:
+        seq.output_ids.append(token)
+        self.generated_tokens += 1
+        if seq.return_logprob:
+            seq.output_logprobs.append(float(logprob))
+        if not seq.version_spans or seq.version_spans[-1][1] != self.weight_version:
+            seq.version_spans.append((len(seq.output_ids) - 1, self.weight_version))
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        reason = check_stop(seq, token, decode, self.max_context)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+            self._complete(seq)
+        elif self._live[seq.rid].subscriber.stream:
+            self._live[seq.rid].subscriber.post(self.snapshot(seq), final=False)
+
+    def _complete(self, seq: Sequence) -> None:
+        live = self._live.pop(seq.rid, None)
+        if live is None:
+            return
+        self._drop_kv(seq, keep_in_cache=True, live=live)
+        live.subscriber.post(self.snapshot(seq, started=live.started), final=True)
+
+    def _drop_kv(self, seq: Sequence, keep_in_cache: bool, live: _Live | None = None) -> None:
+        live = live or self._live.get(seq.rid)
+        if live is None or live.kv is None:
+            return
+        if keep_in_cache and "kv_cache" not in self.released:
+            self.prefix_cache.store(seq.all_ids, live.kv)
+        live.kv = None
+        seq.kv_len = 0
+
+    # -- responses ---------------------------------------------------------------------
+    def snapshot(self, seq: Sequence, started: float | None = None) -> dict:
+        """The SGLang-shaped response for ``seq`` as it stands."""
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        text = trim_stop_text(text, seq.stop_text, seq.params.no_stop_trim)
+        if started is None:
+            live = self._live.get(seq.rid)
+            started = live.started if live else time.monotonic()
+        meta: dict[str, Any] = {
+            "id": seq.rid,
+            "finish_reason": seq.finish_reason,
+            "prompt_tokens": len(seq.input_ids),
+            "completion_tokens": len(seq.output_ids),
+            "cached_tokens": seq.cached_tokens,
+            "weight_version": seq.version_spans[-1][1] if seq.version_spans else self.weight_version,
+            "e2e_latency": time.monotonic() - started,
+            # Gyre extension: the version that produced each run of output tokens.
+            "weight_version_spans": [list(span) for span in seq.version_spans],
+        }
+        if seq.return_logprob:
+            meta["input_token_logprobs"] = []
+            meta["output_token_logprobs"] = [
+                [lp, tok, None] for lp, tok in zip(seq.output_logprobs, seq.output_ids)
+            ]
+            if seq.top_logprobs_num:
+                meta["input_top_logprobs"] = []
+                meta["output_top_logprobs"] = [list(top) for top in seq.output_top_logprobs]
+        return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+    def stats(self) -> dict:
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "paused": self.scheduler.paused.value if self.scheduler.paused else None,
+            "cached_tokens": self.prefix_cache.cached_tokens,
+            "cache_capacity_tokens": self.prefix_cache.capacity_tokens,
+            "cache_hits": self.prefix_cache.hits,
+            "cache_lookups": self.prefix_cache.lookups,
+            "steps": self.steps,
+            "generated_tokens": self.generated_tokens,
+            "released": sorted(self.released),
+        }
+
+
+def _resolve(future: Future, fn: Callable[[], Any]) -> None:
+    try:
+        result = fn()
+    except BaseException as exc:  # handed to the caller, who turns it into an HTTP error
+        future.set_exception(exc)
+    else:
+        future.set_result(result)
+
+
+def _eos_ids(runner: ModelRunner, tokenizer) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (getattr(runner.model, "generation_config", None), runner.model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(int(v) for v in value)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

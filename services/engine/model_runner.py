@@ -1,0 +1,247 @@
+"""Runs Llama-family causal LMs (Llama, Qwen2, Qwen3) over a ragged batch with per-sequence KV.
+
+The weights are the parameters of a transformers model loaded from a local folder (or
+GGUF file); this module keeps references to those ``Parameter`` objects and runs its own
+forward, so that one step can mix prompt chunks and single decode tokens of many sequences
+(continuous batching) with a KV buffer per sequence. Weight updates change the parameters'
+data in place; releasing memory swaps the data for empty tensors.
+
+Each sequence's KV lives in one tensor ``[layers, 2, kv_heads, capacity, head_dim]`` that
+grows by doubling. The prefix cache stores slices of it (see :mod:`.kv_cache`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .model_store import ModelLocation
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+log = logging.getLogger(__name__)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab_size: int
+    max_positions: int
+    eps: float
+    model_type: str
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.layers * 2 * self.kv_heads * self.head_dim * 4
+
+
+@dataclass
+class _Layer:
+    input_norm: torch.nn.Parameter
+    post_norm: torch.nn.Parameter
+    q: torch.nn.Module
+    k: torch.nn.Module
+    v: torch.nn.Module
+    o: torch.nn.Module
+    q_norm: torch.nn.Parameter | None
+    k_norm: torch.nn.Parameter | None
+    gate: torch.nn.Module
+    up: torch.nn.Module
+    down: torch.nn.Module
+
+
+class KVBuffer:
+    """The KV of one sequence: ``data[layer, 0|1, kv_head, position, dim]``."""
+
+    def __init__(self, shape: ModelShape, capacity: int) -> None:
+        self.shape = shape
+        self.data = torch.empty(shape.layers, 2, shape.kv_heads, max(capacity, 16), shape.head_dim)
+        self.length = 0
+
+    def reserve(self, needed: int) -> None:
+        cap = self.data.shape[3]
+        if needed <= cap:
+            return
+        new_cap = max(needed, cap * 2)
+        grown = torch.empty(*self.data.shape[:3], new_cap, self.data.shape[4])
+        grown[:, :, :, : self.length] = self.data[:, :, :, : self.length]
+        self.data = grown
+
+    def append_block(self, block: torch.Tensor) -> None:
+        """Appends cached KV ``[layers, 2, kv_heads, n, dim]`` (a prefix-cache hit)."""
+        n = block.shape[3]
+        self.reserve(self.length + n)
+        self.data[:, :, :, self.length : self.length + n] = block
+        self.length += n
+
+    def slice(self, start: int, end: int) -> torch.Tensor:
+        return self.data[:, :, :, start:end].clone()
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    kv: KVBuffer
+    token_ids: list[int]  # fed tokens; their positions start at kv.length
+    want_logits: bool
+
+
+class ModelRunner:
+    def __init__(self, model: "PreTrainedModel", location: ModelLocation) -> None:
+        self.model = model.eval()
+        self.location = location
+        cfg = model.config
+        if cfg.model_type not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(f"unsupported architecture {cfg.model_type!r}; use one of {SUPPORTED_ARCHITECTURES}")
+        if getattr(cfg, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported activation {cfg.hidden_act!r}")
+        heads = cfg.num_attention_heads
+        self.shape = ModelShape(
+            layers=cfg.num_hidden_layers,
+            heads=heads,
+            kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            hidden=cfg.hidden_size,
+            vocab_size=cfg.vocab_size,
+            max_positions=cfg.max_position_embeddings,
+            eps=cfg.rms_norm_eps,
+            model_type=cfg.model_type,
+        )
+        inner = model.model
+        self._embed = inner.embed_tokens
+        self._final_norm = inner.norm.weight
+        self._lm_head = model.lm_head
+        self._rotary = inner.rotary_emb
+        self._layers = [_bind_layer(layer) for layer in inner.layers]
+        self._scale = self.shape.head_dim**-0.5
+
+    # -- loading ---------------------------------------------------------------------
+    @classmethod
+    def load(cls, location: ModelLocation) -> "ModelRunner":
+        from transformers import AutoModelForCausalLM
+
+        kwargs = {"dtype": torch.float32}
+        if location.gguf_file:
+            kwargs["gguf_file"] = location.gguf_file
+        model = AutoModelForCausalLM.from_pretrained(str(location.folder), **kwargs)
+        return cls(model, location)
+
+    def new_kv(self, capacity: int) -> KVBuffer:
+        return KVBuffer(self.shape, capacity)
+
+    # -- forward ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def forward(self, items: list[ForwardItem]) -> torch.Tensor:
+        """Runs one step; returns last-token logits ``[n_wanted, vocab]`` in item order.
+
+        Each item's KV grows by its fed tokens.
+        """
+        ids: list[int] = []
+        positions: list[int] = []
+        for item in items:
+            item.kv.reserve(item.kv.length + len(item.token_ids))
+            ids.extend(item.token_ids)
+            positions.extend(range(item.kv.length, item.kv.length + len(item.token_ids)))
+        h = self._embed(torch.tensor(ids, dtype=torch.long))
+        pos = torch.tensor(positions, dtype=torch.long)
+        cos, sin = self._rotary(h, pos[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, head_dim]
+        for index, layer in enumerate(self._layers):
+            h = self._layer_forward(index, layer, h, cos, sin, items)
+        for item in items:
+            item.kv.length += len(item.token_ids)
+        last, offset = [], 0
+        for item in items:
+            offset += len(item.token_ids)
+            if item.want_logits:
+                last.append(offset - 1)
+        if not last:
+            return torch.empty(0, self.shape.vocab_size)
+        hidden = F.rms_norm(h[last], (self.shape.hidden,), self._final_norm, self.shape.eps)
+        return self._lm_head(hidden)
+
+    def _layer_forward(self, index, layer: _Layer, h, cos, sin, items: list[ForwardItem]):
+        s = self.shape
+        x = F.rms_norm(h, (s.hidden,), layer.input_norm, s.eps)
+        t = x.shape[0]
+        q = layer.q(x).view(t, s.heads, s.head_dim)
+        k = layer.k(x).view(t, s.kv_heads, s.head_dim)
+        v = layer.v(x).view(t, s.kv_heads, s.head_dim)
+        if layer.q_norm is not None:
+            q = F.rms_norm(q, (s.head_dim,), layer.q_norm, s.eps)
+            k = F.rms_norm(k, (s.head_dim,), layer.k_norm, s.eps)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        out = torch.empty(t, s.heads, s.head_dim)
+        offset = 0
+        for item in items:
+            n = len(item.token_ids)
+            past = item.kv.length
+            kv = item.kv.data[index]
+            kv[0, :, past : past + n] = k[offset : offset + n].transpose(0, 1)
+            kv[1, :, past : past + n] = v[offset : offset + n].transpose(0, 1)
+            keys = kv[0, :, : past + n][None]
+            values = kv[1, :, : past + n][None]
+            query = q[offset : offset + n].transpose(0, 1)[None]
+            out[offset : offset + n] = self._attend(query, keys, values, past, n)[0].transpose(0, 1)
+            offset += n
+        h = h + layer.o(out.view(t, s.heads * s.head_dim))
+        x = F.rms_norm(h, (s.hidden,), layer.post_norm, s.eps)
+        return h + layer.down(F.silu(layer.gate(x)) * layer.up(x))
+
+    def _attend(self, query, keys, values, past: int, n: int) -> torch.Tensor:
+        gqa = self.shape.heads != self.shape.kv_heads
+        if n == 1:
+            return F.scaled_dot_product_attention(query, keys, values, scale=self._scale, enable_gqa=gqa)
+        if past == 0:
+            return F.scaled_dot_product_attention(
+                query, keys, values, is_causal=True, scale=self._scale, enable_gqa=gqa
+            )
+        rows = torch.arange(n)[:, None] + past
+        cols = torch.arange(past + n)[None, :]
+        mask = cols <= rows
+        return F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self._scale, enable_gqa=gqa)
+
+    # -- weights ---------------------------------------------------------------------
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        return dict(self.model.named_parameters())
+
+    def tied_aliases(self) -> dict[str, str]:
+        """Names a checkpoint may use for a parameter stored under another name."""
+        aliases = {}
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            aliases["lm_head.weight"] = "model.embed_tokens.weight"
+        return aliases
+
+
+def _bind_layer(layer) -> _Layer:
+    attn, mlp = layer.self_attn, layer.mlp
+    q_norm = getattr(attn, "q_norm", None)
+    k_norm = getattr(attn, "k_norm", None)
+    return _Layer(
+        input_norm=layer.input_layernorm.weight,
+        post_norm=layer.post_attention_layernorm.weight,
+        q=attn.q_proj,
+        k=attn.k_proj,
+        v=attn.v_proj,
+        o=attn.o_proj,
+        q_norm=q_norm.weight if q_norm is not None else None,
+        k_norm=k_norm.weight if k_norm is not None else None,
+        gate=mlp.gate_proj,
+        up=mlp.up_proj,
+        down=mlp.down_proj,
+    )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

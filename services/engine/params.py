@@ -1,0 +1,134 @@
+"""Sampling parameters and `/generate` requests, validated with SGLang's field names (pure).
+
+SGLang answers 400 to an unknown key inside ``sampling_params`` and accepts unknown
+top-level keys; both rules are kept here. Fields SGLang knows but this engine does not
+implement (penalties, regex/json constraints, ``n`` > 1) are accepted only at their
+neutral values, so a client never silently gets a different sampler than it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class InvalidRequest(ValueError):
+    """A request the engine answers with HTTP 400."""
+
+
+class SamplingParams(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_new_tokens: int = Field(default=128, ge=0)
+    min_new_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=1.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = -1  # -1 (or 0): no top-k cut
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = None
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    custom_params: dict[str, Any] | None = None
+    stream_interval: int | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        return [value] if isinstance(value, str) else value
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _ids_as_list(cls, value: Any) -> Any:
+        return [] if value is None else value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value < -1:
+            raise ValueError("top_k must be -1 (off) or a positive number")
+        return -1 if value == 0 else value
+
+    @model_validator(mode="after")
+    def _supported(self) -> "SamplingParams":
+        unsupported = {
+            "n": self.n != 1,
+            "frequency_penalty": self.frequency_penalty != 0.0,
+            "presence_penalty": self.presence_penalty != 0.0,
+            "repetition_penalty": self.repetition_penalty != 1.0,
+            "json_schema": self.json_schema is not None,
+            "regex": self.regex is not None,
+            "ebnf": self.ebnf is not None,
+            "structural_tag": self.structural_tag is not None,
+            "logit_bias": bool(self.logit_bias),
+        }
+        bad = [name for name, used in unsupported.items() if used]
+        if bad:
+            raise ValueError(f"not supported by the embedded engine: {', '.join(bad)}")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+def parse_sampling_params(raw: Any) -> SamplingParams:
+    if raw is None:
+        return SamplingParams()
+    if not isinstance(raw, dict):
+        raise InvalidRequest("sampling_params must be an object")
+    try:
+        return SamplingParams.model_validate(raw)
+    except ValidationError as exc:
+        raise InvalidRequest(_describe(exc)) from None
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "sampling_params"
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown field {where}")
+        else:
+            parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+class GenerateRequest(BaseModel):
+    """One `/generate` body; unknown top-level keys are ignored, as SGLang does."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    input_ids: list[int] | list[list[int]] | None = None
+    text: str | list[str] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    return_logprob: bool | list[bool] = False
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    stream: bool = False
+    rid: str | list[str] | None = None
+
+
+def check_input_ids(ids: list[int], vocab_size: int, max_context: int) -> None:
+    if not ids:
+        raise InvalidRequest("input_ids is empty")
+    bad = [t for t in ids if t < 0 or t >= vocab_size]
+    if bad:
+        raise InvalidRequest(f"input_ids out of vocabulary (size {vocab_size}): {bad[:5]}")
+    if len(ids) >= max_context:
+        raise InvalidRequest(f"input is {len(ids)} tokens; the context limit is {max_context}")

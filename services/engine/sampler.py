@@ -1,0 +1,118 @@
+"""Picks next tokens from a step's logits, with the logprob of each pick.
+
+Logprobs are those of the distribution the token was drawn from before truncation: the
+temperature-scaled softmax (plain softmax for greedy picks). Each seeded request owns a
+``torch.Generator``, so its samples do not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .params import SamplingParams
+
+
+@dataclass
+class SampleSpec:
+    params: SamplingParams
+    want_logprob: bool
+    generator: torch.Generator | None
+    top_n: int = 0  # also return the n most likely tokens' logprobs
+
+
+def new_generator(seed: int | None) -> torch.Generator | None:
+    if seed is None:
+        return None
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+@torch.inference_mode()
+def sample(logits: torch.Tensor, specs: list[SampleSpec], vocab_limit: int) -> tuple[list[int], list[float | None], list[list]]:
+    """One token (its logprob and top alternatives, when asked) per row of ``logits`` (``[B, V]``, ours to change).
+
+    Logprobs are normalised over the model's whole output (as a trainer computes them);
+    picks are limited to the first ``vocab_limit`` ids (the padding rows of an embedding
+    matrix are no tokens).
+    """
+    wanted = [i for i, s in enumerate(specs) if s.want_logprob]
+    scored, lse = None, None
+    if wanted:
+        scored = logits if len(wanted) == len(specs) else logits[wanted]
+        temps = [_temperature(specs[i].params) for i in wanted]
+        if any(t != 1.0 for t in temps):
+            scored = scored / torch.tensor(temps)[:, None]
+        lse = torch.logsumexp(scored, dim=-1)
+    if vocab_limit < logits.shape[1]:
+        logits[:, vocab_limit:] = float("-inf")
+    tops: list[list] = [[] for _ in specs]
+    for j, row in enumerate(wanted):
+        if specs[row].top_n > 0:
+            values, ids = torch.topk(scored[j, :vocab_limit], specs[row].top_n)
+            tops[row] = [[v - lse[j].item(), i, None] for v, i in zip(values.tolist(), ids.tolist())]
+    tokens = _pick(logits, specs)
+    logprobs: list[float | None] = [None] * len(specs)
+    if wanted:
+        index = torch.tensor([tokens[i] for i in wanted])[:, None]
+        values = (scored.gather(1, index)[:, 0] - lse).tolist()
+        for row, value in zip(wanted, values):
+            logprobs[row] = value
+    return tokens, logprobs, tops
+
+
+def _pick(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
+    tokens: list[int] = [0] * len(specs)
+    greedy_rows = [i for i, s in enumerate(specs) if s.params.greedy]
+    if len(greedy_rows) == len(specs):
+        return logits.argmax(dim=-1).tolist()
+    if greedy_rows:
+        picked = logits[greedy_rows].argmax(dim=-1).tolist()
+        for row, tok in zip(greedy_rows, picked):
+            tokens[row] = tok
+    for row, spec in enumerate(specs):
+        if not spec.params.greedy:
+            tokens[row] = _draw(logits[row] / spec.params.temperature, spec)
+    return tokens
+
+
+def _temperature(params: SamplingParams) -> float:
+    return 1.0 if params.greedy else params.temperature
+
+
+def _draw(scaled: torch.Tensor, spec: SampleSpec) -> int:
+    """Samples from softmax(scaled) cut by top-k, min-p and top-p (Gumbel-max: argmax of
+    logits plus Gumbel noise is an exact draw, and needs no normalised copy of the row)."""
+    params = spec.params
+    candidates, ids = scaled, None
+    if params.top_k > 0 and params.top_k < scaled.shape[0]:
+        candidates, ids = torch.topk(scaled, params.top_k)
+    if params.min_p > 0.0:
+        floor = candidates.max() + math.log(params.min_p)
+        keep = candidates >= floor
+        ids = keep.nonzero()[:, 0] if ids is None else ids[keep]
+        candidates = candidates[keep]
+    if params.top_p < 1.0:
+        candidates, ids = _top_p(candidates, ids, params.top_p)
+    noise = torch.rand(candidates.shape[0], generator=spec.generator).clamp_(min=1e-20)
+    pick = int(torch.argmax(candidates - torch.log(-torch.log(noise))))
+    return pick if ids is None else int(ids[pick])
+
+
+def _top_p(candidates: torch.Tensor, ids: torch.Tensor | None, top_p: float):
+    """The smallest most-likely set holding ``top_p`` of the mass (grows a top-k window
+    before falling back to a full sort, which a flat distribution needs)."""
+    lse = torch.logsumexp(candidates, dim=0)
+    n = candidates.shape[0]
+    k = min(256, n)
+    while True:
+        values, order = torch.topk(candidates, k)
+        mass_before = torch.cumsum(torch.exp(values - lse), dim=0) - torch.exp(values - lse)
+        keep = int((mass_before < top_p).sum())  # always >= 1
+        if keep < k or k == n:
+            chosen = order[:keep]
+            return values[:keep], chosen if ids is None else ids[chosen]
+        k = min(n, k * 16)

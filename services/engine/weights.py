@@ -1,0 +1,261 @@
+"""Weight updates (disk, tensor, gloo broadcast) and memory release/resume for the engine.
+
+Rules that keep answers correct:
+
+- Every update is checked whole (names, shapes, dtypes) before anything is written; a bad
+  one raises :class:`WeightUpdateError` (HTTP 400) and the old weights stay.
+- Writes happen on the engine thread between steps (:meth:`Engine.call_when_idle`): at once
+  when the engine is idle or paused, otherwise new requests are held and the write waits
+  for the running ones to finish. A forward step never sees a half-applied update.
+- Between ``begin_weight_update`` and ``end_weight_update`` tensor and distributed updates
+  are staged and applied together at the end (all or nothing). Without ``begin`` each call
+  applies at once, as SGLang before 0.5.21 did.
+- Every applied update flushes the prefix cache: cached KV of old weights is stale.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import io
+import logging
+import pickle
+import tempfile
+from concurrent.futures import Future
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from .engine import EngineBusy
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class WeightUpdateError(ValueError):
+    """A weight update refused before any weight changed."""
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    key = name.removeprefix("torch.")
+    if key not in FLOAT_DTYPES:
+        raise WeightUpdateError(f"unsupported dtype {name!r}; weights are floating point ({', '.join(FLOAT_DTYPES)})")
+    return FLOAT_DTYPES[key]
+
+
+def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """Client side of ``/update_weights_from_tensor`` (same wire form as SGLang's: a
+    base64 ForkingPickler dump; tensors travel through shared memory, so the caller keeps
+    them alive until the call returns)."""
+    import torch.multiprocessing as tmp
+    from multiprocessing.reduction import ForkingPickler
+
+    tmp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(named)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def deserialize_named_tensors(payload: str) -> list[tuple[str, torch.Tensor]]:
+    # Unpickling runs code chosen by the sender: the endpoint is admin-only, as in SGLang.
+    import torch.multiprocessing  # noqa: F401  (registers the shared-memory rebuild functions)
+
+    try:
+        named = pickle.loads(base64.b64decode(payload))
+    except Exception as exc:
+        raise WeightUpdateError(f"cannot decode serialized_named_tensors: {exc}") from None
+    if not isinstance(named, (list, tuple)) or not all(
+        isinstance(item, (list, tuple)) and len(item) == 2 and isinstance(item[1], torch.Tensor) for item in named
+    ):
+        raise WeightUpdateError("serialized_named_tensors must hold a list of (name, tensor)")
+    return [(str(name), tensor) for name, tensor in named]
+
+
+class WeightManager:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self.params = engine.runner.named_parameters()
+        self.aliases = engine.runner.tied_aliases()
+        self.staged: dict[str, torch.Tensor] | None = None  # open begin/end window
+        self.group: torch.distributed.ProcessGroup | None = None
+        self.group_name: str | None = None
+        self._store = None
+        self._parked: Path | None = None
+        self._staged_version: str | None = None
+
+    # -- checks ----------------------------------------------------------------------
+    def resolve(self, name: str) -> str:
+        name = self.aliases.get(name, name)
+        if name not in self.params:
+            raise WeightUpdateError(f"unknown weight name {name!r}")
+        return name
+
+    def check(self, name: str, shape: Iterable[int], dtype: torch.dtype) -> str:
+        key = self.resolve(name)
+        want = tuple(self.params[key].shape)
+        if "weights" in self.engine.released:
+            raise WeightUpdateError("weights are released; resume_memory_occupation first")
+        if tuple(shape) != want:
+            raise WeightUpdateError(f"shape of {name} is {tuple(shape)}, expected {want}")
+        if not dtype.is_floating_point:
+            raise WeightUpdateError(f"dtype of {name} is {dtype}; weights are floating point")
+        return key
+
+    def check_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        checked: dict[str, torch.Tensor] = {}
+        for name, tensor in named:
+            checked[self.check(name, tensor.shape, tensor.dtype)] = tensor
+        return checked
+
+    # -- applying ----------------------------------------------------------------------
+    def begin(self) -> None:
+        self.staged, self._staged_version = {}, None
+
+    def end(self, weight_version: str | None) -> Future:
+        staged, self.staged = self.staged or {}, None
+        version = weight_version if weight_version is not None else self._staged_version
+        return self.engine.call_when_idle(lambda: self._write(staged, version))
+
+    def submit(self, checked: dict[str, torch.Tensor], weight_version: str | None) -> Future:
+        """Stages (inside begin/end) or applies ``checked``; returns a future of the apply."""
+        if self.staged is not None:
+            self.staged.update({k: v.detach().clone() for k, v in checked.items()})
+            if weight_version is not None:
+                self._staged_version = weight_version
+            done: Future = Future()
+            done.set_result(0)
+            return done
+        return self.engine.call_when_idle(lambda: self._write(checked, weight_version))
+
+    def apply_now(self, checked: dict[str, torch.Tensor], weight_version: str | None) -> Future:
+        """Applies outside any begin/end window (disk updates)."""
+        return self.engine.call_when_idle(lambda: self._write(checked, weight_version))
+
+    def _write(self, checked: dict[str, torch.Tensor], weight_version: str | None) -> int:
+        """Engine thread. Returns how many requests were paused across the update."""
+        with torch.no_grad():
+            for key, tensor in checked.items():
+                self.params[key].data.copy_(tensor.to(torch.float32))
+        if weight_version is not None:
+            self.engine.weight_version = str(weight_version)
+        self.engine.prefix_cache.flush()
+        paused = self.engine.scheduler.paused
+        return len(self.engine.scheduler.running) if paused is not None else 0
+
+    # -- sources -----------------------------------------------------------------------
+    def load_from_disk(self, model_path: str) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load_file
+
+        folder = Path(model_path)
+        files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else [folder]
+        if not files or not all(f.is_file() for f in files):
+            raise WeightUpdateError(f"no safetensors weights at {model_path}")
+        named: dict[str, torch.Tensor] = {}
+        for file in files:
+            named.update(load_file(str(file)))
+        checked = self.check_all(named.items())
+        missing = sorted(set(self.params) - set(checked))
+        if missing:
+            raise WeightUpdateError(f"checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        return checked
+
+    def init_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                   group_name: str, backend: str, timeout_s: float = 600.0) -> None:
+        """Joins the trainer's broadcast group (blocks until every rank has joined)."""
+        if backend != "gloo":
+            raise WeightUpdateError(f"backend {backend!r} is not available on CPU; use gloo")
+        if self.group is not None:
+            raise WeightUpdateError(f"already in weight update group {self.group_name!r}")
+        try:
+            self.group, self._store = join_weight_group(
+                master_address, master_port, rank_offset, world_size, group_name, timeout_s
+            )
+        except (RuntimeError, ValueError) as exc:  # store unreachable, timeout, bad rank
+            raise WeightUpdateError(f"cannot join weight update group {group_name!r}: {exc}") from None
+        self.group_name = group_name
+
+    def receive_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                          group_name: str) -> dict[str, torch.Tensor]:
+        """Receives one tensor per name from rank 0 (call off the engine thread)."""
+        if self.group is None or group_name != self.group_name:
+            raise WeightUpdateError(f"no weight update group {group_name!r}; call init_weights_update_group")
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise WeightUpdateError("names, dtypes and shapes must be non-empty and of one length")
+        plan = [(name, parse_dtype(dt), tuple(shape)) for name, dt, shape in zip(names, dtypes, shapes)]
+        for name, dtype, shape in plan:
+            self.check(name, shape, dtype)
+        received = []
+        for name, dtype, shape in plan:
+            tensor = torch.empty(shape, dtype=dtype)
+            try:
+                broadcast_rank0(self.group, tensor)
+            except RuntimeError as exc:  # the trainer went away mid-update: nothing written
+                raise WeightUpdateError(f"broadcast of {name} failed: {exc}") from None
+            received.append((name, tensor))
+        return self.check_all(received)
+
+    def destroy_group(self, group_name: str | None) -> None:
+        if self.group is None or (group_name is not None and group_name != self.group_name):
+            raise WeightUpdateError(f"no weight update group {group_name!r}")
+        self.group, self._store, self.group_name = None, None, None
+
+    # -- memory ------------------------------------------------------------------------
+    def release(self, tags: list[str]) -> None:
+        """Engine thread: parks weights on disk and/or drops the KV cache (idle only)."""
+        if self.engine.scheduler.busy():
+            raise EngineBusy("release_memory_occupation needs an idle engine")
+        if "kv_cache" in tags:
+            self.engine.prefix_cache.flush()
+            self.engine.released.add("kv_cache")
+        if "weights" in tags and "weights" not in self.engine.released:
+            from safetensors.torch import save_file
+
+            root = self.engine.settings.scratch_dir
+            folder = Path(tempfile.mkdtemp(prefix="gyre-released-", dir=str(root) if root else None))
+            self._parked = folder / "weights.safetensors"
+            save_file({k: p.data.contiguous() for k, p in self.params.items()}, str(self._parked))
+            for param in self.params.values():
+                param.data = torch.empty(0)
+            self.engine.released.add("weights")
+
+    def resume(self, tags: list[str]) -> None:
+        if "weights" in tags and "weights" in self.engine.released and self._parked is not None:
+            from safetensors.torch import load_file
+
+            loaded = load_file(str(self._parked))
+            for key, param in self.params.items():
+                param.data = loaded[key]
+            self._parked.unlink()
+            self._parked.parent.rmdir()
+            self._parked = None
+            self.engine.released.discard("weights")
+        if "kv_cache" in tags:
+            self.engine.released.discard("kv_cache")
+
+
+def join_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
+                      group_name: str, timeout_s: float = 600.0):
+    """A gloo group over a TCP store, without touching torch's default process group.
+
+    Both sides use it: the trainer as rank 0 (it hosts the store), each cell with its rank.
+    Returns (group, store); keep both alive while the group is used.
+    """
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
+    group = dist.ProcessGroupGloo(dist.PrefixStore(f"{group_name}/", store), rank, world_size, timeout)
+    return group, store
+
+
+def broadcast_rank0(group, tensor: torch.Tensor) -> None:
+    """One broadcast from rank 0 over a group from :func:`join_weight_group` (both sides)."""
+    import torch.distributed as dist
+
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    group.broadcast([tensor], opts).wait()

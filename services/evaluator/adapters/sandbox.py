@@ -1,0 +1,322 @@
+"""Running a test command on an unpacked workspace, contained.
+
+Isolation modes, strongest first (``probe`` picks the strongest that works here, and the
+chosen mode's description goes into every score event):
+
+``namespaces`` (needs root): new network, mount, PID, IPC and UTS namespaces
+    (``unshare``), so no network (the namespace's loopback is down), and every process
+    dies with the sandbox's first process; in the mount namespace the world-writable
+    places (``/tmp``, ``/var/tmp``, ``/dev/shm``, ...) are read-only and only the
+    workspace is writable; the command runs under its own unprivileged uid (one per
+    concurrent sandbox, so the process limit is per sandbox), with no capabilities and
+    ``no_new_privs`` (``setpriv``).
+``uid`` (root, but namespaces refused): the own-uid part only; the network and
+    world-writable folders stay reachable.
+``none`` (not root): the resource limits and the process group only.
+
+Every mode: its own session and process group (killed as a whole at the end), a
+wall-clock limit, rlimits on CPU time, address space, processes, file size and core
+dumps, a cap on the output kept, a watch on the workspace's disk use, a clean environment.
+Not bounded without cgroups: the memory of all the sandbox's processes together (each
+has its own address-space limit) and disk use between two checks (about a second).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import resource
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from ..core.scoring import SandboxRun
+from ..core.spec import Limits
+
+log = logging.getLogger(__name__)
+Mode = Literal["namespaces", "uid", "none"]
+_MODES: tuple[Mode, ...] = ("namespaces", "uid", "none")
+
+# Run as root inside the new namespaces, before dropping to the sandbox uid. Any failed
+# step aborts with status 97, so a half-built sandbox never runs the command. The shell
+# stays as the namespace's PID 1 (not exec): the kernel spares PID 1 from signals it has
+# no handler for, so a command running as PID 1 would shrug off SIGXCPU.
+_INIT_SH = r"""
+w="$1"; shift
+for d in /tmp /var/tmp /dev/shm /run/lock /dev/mqueue; do
+  if [ -d "$d" ] && [ ! -L "$d" ]; then
+    mount --bind "$d" "$d" && mount -o remount,bind,ro "$d" || { echo "gyre-sandbox: cannot protect $d" >&2; exit 97; }
+  fi
+done
+mount --bind "$w" "$w" && mount -o remount,bind,rw "$w" || { echo "gyre-sandbox: cannot mount $w" >&2; exit 97; }
+cd "$w" || exit 97
+"$@"
+exit $?
+"""
+SETUP_FAILED = 97
+
+_DESCRIPTIONS: dict[Mode, str] = {
+    "namespaces": "namespaces(net,mount,pid,ipc,uts)+own-uid+no-caps+ro-shared-tmp+rlimits+disk-watch+pgroup",
+    "uid": "own-uid+no-caps+rlimits+disk-watch+pgroup (no namespaces: network and /tmp reachable)",
+    "none": "rlimits(no process cap)+disk-watch+pgroup only (no network or filesystem isolation)",
+}
+
+
+class SandboxUnavailable(RuntimeError):
+    """The requested isolation cannot be had on this machine."""
+
+
+@dataclass(frozen=True)
+class SandboxConfig:
+    isolation: Literal["auto", "namespaces", "uid", "none"] = "auto"
+    uid_base: int = 61000  # sandbox n runs as uid_base + n (namespaces and uid modes)
+    slots: int = 16  # most sandboxes at once
+    output_kill_factor: int = 100  # output beyond this many caps stops the run
+
+
+class Sandbox:
+    def __init__(self, config: SandboxConfig = SandboxConfig()) -> None:
+        self.config = config
+        self.mode: Mode | None = None
+        self._free = list(range(config.slots))
+        self._slot_free = asyncio.Condition()
+
+    @property
+    def description(self) -> str:
+        return _DESCRIPTIONS[self.mode or "none"]
+
+    async def probe(self, work_root: Path, python: str = sys.executable) -> str:
+        """Pick the strongest mode that really works here: ``python`` (the interpreter the
+        tests will use) must run as the sandbox uid and write in a folder under ``work_root``."""
+        wanted = _MODES if self.config.isolation == "auto" else (self.config.isolation,)
+        errors = []
+        for mode in wanted:
+            if mode != "none" and os.geteuid() != 0:
+                errors.append(f"{mode}: needs root")
+                continue
+            why = await self._trial(mode, work_root, python)
+            if why is None:
+                self.mode = mode
+                if errors:
+                    log.warning("sandbox: stronger isolation unavailable (%s); using %s", "; ".join(errors), mode)
+                return self.description
+            errors.append(f"{mode}: {why}")
+        raise SandboxUnavailable("no sandbox works here: " + "; ".join(errors))
+
+    async def _trial(self, mode: Mode, work_root: Path, python: str) -> str | None:
+        work_root.mkdir(parents=True, exist_ok=True)
+        trial = Path(os.path.realpath(work_root)) / f"probe-{os.getpid()}"
+        shutil.rmtree(trial, ignore_errors=True)
+        trial.mkdir(mode=0o755)
+        self.mode = mode
+        try:
+            script = "import os; open('ok', 'w').write(str(os.getuid()))"
+            run = await self.run([python, "-c", script], workdir=trial, env={}, limits=Limits(wall_s=20))
+            if run.exit_code != 0 or not (trial / "ok").exists():
+                return f"trial run failed (exit {run.exit_code}): {run.output_tail[-300:]}"
+            return None
+        finally:
+            self.mode = None
+            shutil.rmtree(trial, ignore_errors=True)
+
+    async def run(self, argv: Sequence[str], *, workdir: Path, env: dict[str, str], limits: Limits) -> SandboxRun:
+        """Run ``argv`` in ``workdir`` under ``limits``; the folder is handed to the sandbox's uid."""
+        if self.mode is None:
+            raise SandboxUnavailable("call probe() first")
+        workdir = Path(os.path.realpath(workdir))
+        slot = await self._acquire()
+        try:
+            uid = self.config.uid_base + slot
+            full = self._command(list(argv), workdir, uid)
+            return await asyncio.to_thread(self._execute, full, workdir, uid, _clean_env(env), limits)
+        finally:
+            await self._release(slot)
+
+    def _command(self, argv: list[str], workdir: Path, uid: int) -> list[str]:
+        if self.mode == "none":
+            return argv
+        drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
+                "--inh-caps=-all", "--bounding-set=-all", "--"]
+        if self.mode == "uid":
+            return drop + argv
+        unshare = ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
+                   "--mount-proc", "--"]
+        return unshare + ["/bin/sh", "-c", _INIT_SH, "gyre-sandbox", str(workdir)] + drop + argv
+
+    def _execute(self, argv: list[str], workdir: Path, uid: int, env: dict[str, str], limits: Limits) -> SandboxRun:
+        """Blocking (run in a thread): asyncio's wait() would also wait for the pipe,
+        which a process that escaped the group could hold open for ever."""
+        started = time.monotonic()
+        if self.mode != "none":
+            _give_tree(workdir, uid)
+        proc = subprocess.Popen(
+            argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_rlimits(limits, nproc=self.mode != "none"),
+        )
+        out = _CappedOutput(limits.output_bytes, limits.output_bytes * self.config.output_kill_factor)
+        reader = threading.Thread(target=out.drain, args=(proc.stdout,), daemon=True)
+        reader.start()
+        killed_by: str | None = None
+        next_disk_check = started + 1.0
+        while True:
+            try:
+                code = proc.wait(timeout=0.1)
+                break
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                if out.over_kill_limit:
+                    killed_by = "output limit"
+                elif now - started >= limits.wall_s:
+                    killed_by = f"wall-clock limit ({limits.wall_s:g}s)"
+                elif now >= next_disk_check:
+                    next_disk_check = now + 1.0
+                    if _disk_usage(workdir) > limits.max_disk_mb * 2**20:
+                        killed_by = f"disk limit ({limits.max_disk_mb} MB)"
+                if killed_by:
+                    _kill_group(proc.pid)
+                    code = proc.wait()
+                    break
+        _kill_group(proc.pid)  # leftovers of the group, if any
+        reader.join(2.0)
+        out.stop = True  # an escaped process may still hold the pipe: stop reading anyway
+        reader.join(1.0)
+        if not reader.is_alive() and proc.stdout:
+            proc.stdout.close()
+        if self.mode == "namespaces" and code is not None and code > 128:
+            code = -(code - 128)  # the init shell reports "killed by signal n" as 128 + n
+        if killed_by is None:
+            killed_by = _signal_cause(code)
+        if code == SETUP_FAILED and self.mode == "namespaces" and b"gyre-sandbox:" in out.tail:
+            killed_by = "sandbox set-up failure"
+        return SandboxRun(
+            exit_code=code, killed_by=killed_by, output_tail=out.text_tail(), output_truncated=out.truncated,
+            isolation=self.description, duration_s=time.monotonic() - started,
+        )
+
+    async def _acquire(self) -> int:
+        async with self._slot_free:
+            await self._slot_free.wait_for(lambda: bool(self._free))
+            return self._free.pop(0)
+
+    async def _release(self, slot: int) -> None:
+        async with self._slot_free:
+            self._free.append(slot)
+            self._slot_free.notify()
+
+
+class _CappedOutput:
+    """Keeps the first ``cap`` bytes and the last 4 KiB; counts and drops the rest."""
+
+    def __init__(self, cap: int, kill_after: int) -> None:
+        self.cap, self.kill_after = cap, kill_after
+        self.head = bytearray()
+        self.tail = b""
+        self.total = 0
+        self.stop = False
+
+    def drain(self, stream) -> None:
+        fd = stream.fileno()
+        while not self.stop:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            self.total += len(chunk)
+            if len(self.head) < self.cap:
+                self.head += chunk[: self.cap - len(self.head)]
+            self.tail = (self.tail + chunk)[-4096:]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > self.cap
+
+    @property
+    def over_kill_limit(self) -> bool:
+        return self.total > self.kill_after
+
+    def text_tail(self) -> str:
+        return self.tail.decode("utf-8", "replace")
+
+
+def _rlimits(limits: Limits, *, nproc: bool):
+    mem = limits.memory_mb * 2**20
+    fsize = limits.max_file_mb * 2**20
+
+    def apply() -> None:  # runs in the child between fork and exec: no allocations of note
+        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 5))
+        resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
+        if nproc:  # counted per uid: only meaningful when the sandbox has a uid of its own
+            resource.setrlimit(resource.RLIMIT_NPROC, (limits.max_processes, limits.max_processes))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+        resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))
+
+    return apply
+
+
+def _signal_cause(code: int | None) -> str | None:
+    if code is None or code >= 0:
+        return None
+    sig = -code
+    return {
+        signal.SIGXCPU: "CPU-time limit",
+        signal.SIGXFSZ: "file-size limit",
+        signal.SIGKILL: "kernel (killed: memory or CPU hard limit)",
+        signal.SIGSEGV: "crash (SIGSEGV, often the memory limit)",
+    }.get(sig) or f"signal {_signal_name(sig)}"
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return str(sig)
+
+
+def _disk_usage(root: Path) -> int:
+    """Bytes allocated under ``root`` (links not followed; files vanishing meanwhile are skipped)."""
+    total, stack = 0, [str(root)]
+    while stack:
+        try:
+            entries = list(os.scandir(stack.pop()))
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError:
+                continue
+            total += st.st_blocks * 512
+            if entry.is_dir(follow_symlinks=False):
+                stack.append(entry.path)
+    return total
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _give_tree(root: Path, uid: int) -> None:
+    os.lchown(root, uid, uid)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            os.lchown(os.path.join(dirpath, name), uid, uid)
+
+
+def _clean_env(extra: dict[str, str]) -> dict[str, str]:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    env.update(extra)
+    return env

@@ -1,0 +1,191 @@
+"""Unpacking a rollout's workspace snapshot (a tar archive) without trusting it.
+
+The archive came from an agent's workspace, so it is checked member by member before
+anything is written: no absolute names or ``..``, no device files or FIFOs, no links
+that point outside the workspace, a cap on the archive's size, on the unpacked size and
+on the member count. Regular files and folders are written first (never through a
+link, since none exists yet); hard links become copies of an earlier member; symbolic
+links are made last, and each one's real target is checked to stay inside.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import stat
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+
+class UnsafeSnapshot(ValueError):
+    """The archive is corrupt, too big, or tries to reach outside its folder."""
+
+
+@dataclass(frozen=True)
+class UnpackLimits:
+    max_archive_bytes: int = 512 * 2**20
+    max_unpacked_bytes: int = 2 * 2**30
+    max_members: int = 100_000
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    files: int
+    bytes: int
+    links: int
+
+
+def unpack_snapshot(data: bytes, dest: Path, limits: UnpackLimits = UnpackLimits()) -> Unpacked:
+    """Write the archive's contents under ``dest`` (an empty folder), or raise UnsafeSnapshot."""
+    if len(data) > limits.max_archive_bytes:
+        raise UnsafeSnapshot(f"archive of {len(data)} bytes is over the {limits.max_archive_bytes}-byte cap")
+    try:
+        tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")  # noqa: SIM115  (closed below)
+    except (tarfile.TarError, EOFError, OSError) as exc:
+        raise UnsafeSnapshot("not a readable tar archive: " + " ".join(str(exc).split())) from exc
+    try:
+        with tar:
+            members = _checked_members(tar, limits)
+            return _extract(tar, members, dest.resolve(), limits)
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        if isinstance(exc, UnsafeSnapshot):
+            raise
+        raise UnsafeSnapshot(f"corrupt tar archive: {exc}") from exc
+
+
+def _checked_members(tar: tarfile.TarFile, limits: UnpackLimits) -> list[tuple[tarfile.TarInfo, PurePosixPath]]:
+    out: list[tuple[tarfile.TarInfo, PurePosixPath]] = []
+    declared = 0
+    for count, m in enumerate(tar, start=1):
+        if count > limits.max_members:
+            raise UnsafeSnapshot(f"more than {limits.max_members} members")
+        rel = _safe_name(m.name)
+        if rel is None:
+            continue  # the archive's root "." itself
+        if m.ischr() or m.isblk() or m.isfifo() or m.isdev():
+            raise UnsafeSnapshot(f"member {m.name!r} is a device or FIFO")
+        if m.issym():
+            _check_link_target(rel, m.linkname)
+        elif m.islnk():
+            try:
+                inside = _safe_name(m.linkname) is not None
+            except UnsafeSnapshot:
+                inside = False
+            if not inside:
+                raise UnsafeSnapshot(f"hard link {m.name!r} points outside the workspace ({m.linkname!r})")
+        elif not (m.isfile() or m.isdir()):
+            raise UnsafeSnapshot(f"member {m.name!r} has an unsupported type {m.type!r}")
+        if m.isfile():
+            declared += m.size
+            if declared > limits.max_unpacked_bytes:
+                raise UnsafeSnapshot(f"unpacks to more than {limits.max_unpacked_bytes} bytes")
+        out.append((m, rel))
+    return out
+
+
+def _safe_name(name: str) -> PurePosixPath | None:
+    if "\x00" in name or "\\" in name:
+        raise UnsafeSnapshot(f"member name {name!r} has forbidden characters")
+    p = PurePosixPath(name)
+    if p.is_absolute():
+        raise UnsafeSnapshot(f"member {name!r} has an absolute path")
+    parts = [part for part in p.parts if part not in ("", ".")]
+    if ".." in parts:
+        raise UnsafeSnapshot(f"member {name!r} escapes the workspace (..)")
+    return PurePosixPath(*parts) if parts else None
+
+
+def _check_link_target(rel: PurePosixPath, target: str) -> None:
+    if not target or target.startswith("/"):
+        raise UnsafeSnapshot(f"symlink {str(rel)!r} points outside the workspace ({target!r})")
+    depth = len(rel.parts) - 1  # folders above the link, inside the workspace
+    for part in PurePosixPath(target).parts:
+        depth += -1 if part == ".." else (0 if part == "." else 1)
+        if depth < 0:
+            raise UnsafeSnapshot(f"symlink {str(rel)!r} points outside the workspace ({target!r})")
+
+
+def _extract(
+    tar: tarfile.TarFile, members: list[tuple[tarfile.TarInfo, PurePosixPath]], root: Path, limits: UnpackLimits
+) -> Unpacked:
+    written = files = 0
+    links: list[tuple[PurePosixPath, str]] = []
+    for m, rel in members:
+        path = root.joinpath(*rel.parts)
+        _ensure_parent(root, path)
+        if m.isdir():
+            if path.exists() and not path.is_dir():
+                raise UnsafeSnapshot(f"member {m.name!r} is a folder over a file")
+            path.mkdir(exist_ok=True)
+            os.chmod(path, 0o755)
+        elif m.isfile() or m.islnk():
+            written += _write_file(tar, m, rel, root, path, limits.max_unpacked_bytes - written)
+            files += 1
+        elif m.issym():
+            links.append((rel, m.linkname))
+    for rel, target in links:
+        path = root.joinpath(*rel.parts)
+        _ensure_parent(root, path)
+        if path.is_symlink() or path.exists():
+            _remove(path)
+        os.symlink(target, path)
+    for rel, target in links:  # physical check: a chain of inside links may still lead out
+        real = Path(os.path.realpath(root.joinpath(*rel.parts)))
+        if real != root and root not in real.parents:
+            raise UnsafeSnapshot(f"symlink {str(rel)!r} resolves outside the workspace ({target!r})")
+    return Unpacked(files, written, len(links))
+
+
+def _ensure_parent(root: Path, path: Path) -> None:
+    parent = path.parent
+    cur = root
+    for part in parent.relative_to(root).parts:
+        cur = cur / part
+        if cur.is_symlink():  # cannot happen before links are made; guards the link pass
+            raise UnsafeSnapshot(f"path {str(path.relative_to(root))!r} goes through a link")
+        if not cur.exists():
+            cur.mkdir(mode=0o755)
+        elif not cur.is_dir():
+            raise UnsafeSnapshot(f"path {str(path.relative_to(root))!r} goes through a file")
+
+
+def _write_file(
+    tar: tarfile.TarFile, m: tarfile.TarInfo, rel: PurePosixPath, root: Path, path: Path, budget: int
+) -> int:
+    if path.is_dir() and not path.is_symlink():
+        raise UnsafeSnapshot(f"member {m.name!r} is a file over a folder")
+    if m.islnk():
+        source_rel = _safe_name(m.linkname)
+        source = root.joinpath(*source_rel.parts) if source_rel else root
+        if source.is_symlink() or not source.is_file():
+            raise UnsafeSnapshot(f"hard link {m.name!r} names no earlier file ({m.linkname!r})")
+        size = source.stat().st_size
+        if size > budget:
+            raise UnsafeSnapshot("unpacked size over the cap")
+        shutil.copyfile(source, path, follow_symlinks=False)
+        mode = stat.S_IMODE(source.stat().st_mode)
+    else:
+        src = tar.extractfile(m)
+        if src is None:
+            raise UnsafeSnapshot(f"member {m.name!r} has no data")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        size = 0
+        with src, os.fdopen(os.open(path, flags, 0o644), "wb") as out:
+            while chunk := src.read(1 << 20):
+                size += len(chunk)
+                if size > budget:
+                    raise UnsafeSnapshot("unpacked size over the cap")
+                out.write(chunk)
+        mode = m.mode
+    # Keep the execute bits, drop setuid/setgid/sticky and write access for others.
+    os.chmod(path, (mode & 0o755) | 0o600)
+    return size
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()

@@ -1,0 +1,134 @@
+"""Laying out an unpacked workspace for a test run, and showing it to the judge."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from pathlib import Path
+
+from ..core.spec import HIDDEN_DIR, TaskEvaluatorSpec
+
+CONTROL_DIR = ".gyre_eval"  # Gyre's plugin and result files (recreated for every run)
+PLUGIN_MODULE = "gyre_outcomes"
+OUTCOMES_FILE = "outcomes.jsonl"
+_PLUGIN_SOURCE = Path(__file__).with_name("pytest_outcomes.py")
+_SKIP = {HIDDEN_DIR, CONTROL_DIR, ".git", "__pycache__", ".pytest_cache", "node_modules", ".venv"}
+
+
+def prepare(workdir: Path, spec: TaskEvaluatorSpec) -> Path:
+    """Add the hidden tests and a fresh control folder; returns the control folder.
+
+    Whatever the agent left under these names is replaced, so it cannot pre-seed results.
+    """
+    hidden, control = workdir / HIDDEN_DIR, workdir / CONTROL_DIR
+    for folder in (hidden, control):
+        if folder.is_symlink() or folder.is_file():
+            folder.unlink()
+        elif folder.exists():
+            remove_tree(folder)
+        folder.mkdir(mode=0o755)
+    for name, data in spec.hidden_files.items():
+        path = hidden / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    if spec.uses_pytest and "pytest.ini" not in spec.hidden_files:
+        (hidden / "pytest.ini").write_text("[pytest]\n")
+    shutil.copyfile(_PLUGIN_SOURCE, control / f"{PLUGIN_MODULE}.py")
+    for sub in ("home", "tmp"):
+        (control / sub).mkdir()
+    return control
+
+
+# pytest is imported in isolated mode (-I: no PYTHONPATH, no current folder) *before* the
+# control folder and the workspace go on sys.path, so a pytest.py or _pytest/ the agent
+# left in its workspace cannot stand in for the runner.
+_BOOT = "import sys, pytest; sys.path[:0] = sys.argv[1:3]; sys.exit(pytest.main(sys.argv[3:]))"
+
+
+def pytest_argv(python: str, workdir: Path) -> list[str]:
+    hidden = str(workdir / HIDDEN_DIR)
+    # rootdir and confcutdir at the hidden folder: test names are relative to it, and a
+    # conftest.py or ini file the agent wrote in its workspace is not loaded.
+    return [
+        python, "-I", "-B", "-u", "-c", _BOOT, str(workdir / CONTROL_DIR), str(workdir),
+        "-q", "-p", PLUGIN_MODULE, "-p", "no:cacheprovider",
+        "--rootdir", hidden, "-c", os.path.join(hidden, "pytest.ini"), "--confcutdir", hidden, hidden,
+    ]
+
+
+def sandbox_env(workdir: Path, control: Path) -> dict[str, str]:
+    return {
+        "HOME": str(control / "home"),
+        "TMPDIR": str(control / "tmp"),
+        "PYTHONPATH": os.pathsep.join([str(control), str(workdir)]),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        # Numeric libraries size per-thread buffers by core count; under an address-space
+        # limit, one thread each keeps an import from failing on a many-core machine.
+        "OMP_NUM_THREADS": "1",
+        "OPENBLAS_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "GYRE_OUTCOMES_PATH": str(control / OUTCOMES_FILE),
+    }
+
+
+def read_capped(root: Path, rel: str, cap: int) -> str | None:
+    """A result file's text (at most ``cap`` bytes), None if absent or not a plain file.
+
+    The sandbox owned the folder, so no part of the path is trusted: every component is
+    opened without following links, and a FIFO cannot make the read block.
+    """
+    parts = [p for p in Path(rel).parts if p not in ("", ".")]
+    if not parts or ".." in parts:
+        return None
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        for part in parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        file_fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    with os.fdopen(file_fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(cap).decode("utf-8", "replace")
+
+
+def describe(workdir: Path, *, budget: int = 24_000, max_files: int = 200) -> str:
+    """A listing of the workspace and the start of its small text files, for the judge."""
+    listing: list[str] = []
+    bodies: list[str] = []
+    left = budget
+    for dirpath, dirnames, filenames in os.walk(workdir):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP)
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            rel = path.relative_to(workdir).as_posix()
+            if len(listing) >= max_files or path.is_symlink():
+                continue
+            size = path.stat().st_size
+            listing.append(f"{rel} ({size} bytes)")
+            if left > 200 and size <= 64_000:
+                text = path.read_bytes()[: min(left, 8_000)]
+                if b"\x00" not in text:
+                    body = text.decode("utf-8", "replace")
+                    bodies.append(f"--- {rel}\n{body}")
+                    left -= len(body)
+    return "Files:\n" + "\n".join(listing) + "\n\n" + "\n\n".join(bodies)
+
+
+def remove_tree(path: Path) -> None:
+    def unlock(func, p, _exc):  # a folder the agent made read-only
+        os.chmod(os.path.dirname(p), 0o700)
+        os.chmod(p, 0o700) if os.path.isdir(p) and not os.path.islink(p) else None
+        func(p)
+
+    shutil.rmtree(path, onerror=unlock)

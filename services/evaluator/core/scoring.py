@@ -1,0 +1,157 @@
+"""Scoring, pure: a test report and a judge's answer in, the rollout's score event out.
+
+Score of the tests = (sum of the weights of passed tests) / (sum of all weights), where
+"all" is every test seen, every test the spec names but the run never reported
+(``missing``), the test that was running when the run was stopped (``error``), and each
+file that could not be collected (``error``, unless the spec names tests in it: those
+are then ``missing``). Skipped tests count as not passed: agent code could skip them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from libs.common.events import RolloutFinished, RolloutScored, RolloutScoringFailed, RolloutTimedOut, TestOutcome
+
+from .results import TestReport
+from .spec import CombinePolicy, TaskEvaluatorSpec
+
+RolloutEnded = RolloutFinished | RolloutTimedOut
+
+
+@dataclass(frozen=True)
+class SandboxRun:
+    """How one sandboxed run went (the seam between the sandbox adapter and the core)."""
+
+    exit_code: int | None
+    killed_by: str | None  # e.g. "wall-clock limit (60s)"; None when it ended by itself
+    output_tail: str
+    output_truncated: bool
+    isolation: str
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class TestsVerdict:
+    __test__ = False
+    score: float
+    outcomes: tuple[TestOutcome, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class Combined:
+    score: float
+    components: dict[str, float]
+    reason: str
+
+
+def weight_of(spec: TaskEvaluatorSpec, name: str) -> float:
+    return spec.weights.get(name, spec.default_weight)
+
+
+def score_tests(spec: TaskEvaluatorSpec, report: TestReport, run: SandboxRun) -> TestsVerdict:
+    outcomes = [TestOutcome(name=t.name, outcome=t.outcome, weight=weight_of(spec, t.name)) for t in report.tests]
+    seen = {t.name for t in report.tests}
+    if report.running and report.running not in seen:
+        outcomes.append(TestOutcome(name=report.running, outcome="error", weight=weight_of(spec, report.running)))
+        seen.add(report.running)
+    for name, w in spec.weights.items():
+        if name not in seen:
+            outcomes.append(TestOutcome(name=name, outcome="missing", weight=w))
+            seen.add(name)
+    for node, _msg in report.collection_errors:
+        named_inside = any(k.startswith(node + "::") for k in spec.weights)
+        if node not in seen and not named_inside:
+            outcomes.append(TestOutcome(name=node, outcome="error", weight=spec.default_weight))
+            seen.add(node)
+    total = sum(o.weight for o in outcomes)
+    passed = sum(o.weight for o in outcomes if o.outcome == "passed")
+    score = passed / total if total > 0 else 0.0
+    return TestsVerdict(score, tuple(outcomes), _tests_reason(report, run, outcomes, score))
+
+
+def _tests_reason(report: TestReport, run: SandboxRun, outcomes: list[TestOutcome], score: float) -> str:
+    parts: list[str] = []
+    if report.collection_errors:
+        node, msg = report.collection_errors[0]
+        more = len(report.collection_errors) - 1
+        parts.append(f"collection error: {node}: {msg}" + (f" (+{more} more)" if more else ""))
+    n_passed = sum(1 for o in outcomes if o.outcome == "passed")
+    if outcomes:
+        parts.append(f"{n_passed}/{len(outcomes)} tests passed")
+    elif not report.collection_errors:
+        tail = run.output_tail.strip().splitlines()[-3:]
+        parts.append(f"no test results (exit status {run.exit_code}): " + " | ".join(tail)[-300:])
+    if run.killed_by:
+        parts.append(f"stopped by the {run.killed_by}" + (f" during {report.running}" if report.running else ""))
+    if run.output_truncated:
+        parts.append("output over the cap was dropped")
+    parts.extend(report.notes)
+    return f"score {score:.3f}, " + "; ".join(parts)
+
+
+def combine(
+    policy: CombinePolicy, tests: TestsVerdict | None, judge: float | None, judge_error: str | None
+) -> Combined | str:
+    """The rollout's score from its parts, or the reason it cannot be scored."""
+    components: dict[str, float] = {}
+    if tests is not None:
+        components["tests"] = tests.score
+    if judge is not None:
+        components["judge"] = judge
+    reasons = [tests.reason] if tests is not None else []
+    if policy.mode == "tests":
+        assert tests is not None, "tests policy without a test verdict"
+        return Combined(tests.score, components, "; ".join(reasons))
+    if judge is None:
+        why = f"judge failed: {judge_error or 'no answer'}"
+        if policy.mode == "judge" or policy.on_judge_error == "fail" or tests is None:
+            return why
+        return Combined(tests.score, components, "; ".join([*reasons, why + " (tests only)"]))
+    if policy.mode == "judge":
+        return Combined(judge, components, "; ".join([*reasons, f"judge {judge:.3f}"]))
+    wt, wj = policy.tests_weight, policy.judge_weight
+    tests_score = tests.score if tests is not None else 0.0
+    score = (wt * tests_score + wj * judge) / (wt + wj)
+    return Combined(_clamp(score), components, "; ".join([*reasons, f"judge {judge:.3f}"]))
+
+
+def _clamp(x: float) -> float:
+    if math.isnan(x):
+        return 0.0
+    return min(1.0, max(0.0, x))
+
+
+def outcome_event_id(ended: RolloutEnded) -> str:
+    """One id per ended rollout, so a redelivered evaluation is de-duplicated by the bus."""
+    return f"eval-{ended.event_id}"[:128]
+
+
+def scored_event(
+    ended: RolloutEnded, result: Combined, outcomes: tuple[TestOutcome, ...], isolation: str
+) -> RolloutScored:
+    fields = ended.caused(
+        event_id=outcome_event_id(ended),
+        rollout_id=ended.rollout_id,
+        score=_clamp(result.score),
+        components={k: _clamp(v) for k, v in result.components.items()},
+        tests=list(outcomes),
+        partial=isinstance(ended, RolloutTimedOut),
+        isolation=isolation,
+    )
+    if "reason" in RolloutScored.model_fields:  # field requested from the catalogue owner
+        fields["reason"] = result.reason
+    return RolloutScored(**fields)
+
+
+def failed_event(ended: RolloutEnded, reason: str) -> RolloutScoringFailed:
+    return RolloutScoringFailed(
+        **ended.caused(
+            event_id=outcome_event_id(ended),
+            rollout_id=ended.rollout_id,
+            reason=(reason or "unknown failure")[:2000],
+            partial=isinstance(ended, RolloutTimedOut),
+        )
+    )

@@ -1,0 +1,247 @@
+"""The evaluator service: rollout ended -> score (or a reasoned failure), for many at once.
+
+``evaluate`` is the orchestration for one rollout and never raises for bad input: every
+ended rollout yields exactly one ``RolloutScored`` or ``RolloutScoringFailed``, whose
+event id is derived from the ended event's, so a redelivery is de-duplicated by the bus.
+``run`` starts ``workers`` consumers on one durable consumer (a JetStream work queue);
+a local claim set keeps two of them from scoring the same rollout when a bus (the
+in-memory one) hands every event to each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+from libs.common.bus.port import BlobStore, ConsumerConfig, Delivery, EventBus, StopSignal
+from libs.common.events import (
+    Context,
+    RolloutFinished,
+    RolloutScored,
+    RolloutScoringFailed,
+    RolloutStarted,
+    RolloutTimedOut,
+    subject_token,
+)
+
+from .adapters import workspace
+from .adapters.catalog import TaskCatalog, TaskSpecError
+from .adapters.judge_client import JudgeClient, JudgeFailed
+from .adapters.sandbox import Sandbox
+from .adapters.snapshot import UnpackLimits, UnsafeSnapshot, unpack_snapshot
+from .core.judge import build_messages
+from .core.results import TestReport, parse_junit, parse_outcome_lines
+from .core.scoring import RolloutEnded, TestsVerdict, combine, failed_event, score_tests, scored_event
+from .core.spec import TaskEvaluatorSpec
+from .settings import EvaluatorSettings
+
+log = logging.getLogger(__name__)
+ScoreEvent = RolloutScored | RolloutScoringFailed
+
+
+class _Unscorable(Exception):
+    """Bad input: the message is the RolloutScoringFailed reason."""
+
+
+class TransientError(RuntimeError):
+    """The blob store or bus failed, not the rollout: worth another delivery."""
+
+
+@dataclass
+class Evaluator:
+    settings: EvaluatorSettings
+    bus: EventBus
+    store: BlobStore
+    catalog: TaskCatalog
+    sandbox: Sandbox
+    judge: JudgeClient | None = None
+
+    def __post_init__(self) -> None:
+        self._tasks: OrderedDict[str, str] = OrderedDict()  # rollout id -> task id, from RolloutStarted
+        self._claimed: OrderedDict[str, None] = OrderedDict()
+        self.counts = {"scored": 0, "failed": 0}
+
+    async def start(self) -> str:
+        """Prepare the scratch folder and pick the sandbox; returns the isolation in force."""
+        root = self.settings.work_root
+        root.mkdir(parents=True, exist_ok=True)
+        os.chmod(root, 0o711)  # sandbox uids must reach their folder, not list the others
+        isolation = await self.sandbox.probe(root, self.settings.python)
+        log.info("evaluator: isolation %s", isolation)
+        return isolation
+
+    # -- one rollout ------------------------------------------------------------
+
+    async def evaluate(self, ended: RolloutEnded, *, may_retry: bool = False) -> ScoreEvent:
+        """The outcome for one ended rollout. With ``may_retry``, a failing blob store or bus
+        raises TransientError (for a redelivery) instead of becoming a failure event."""
+        workdir: Path | None = None
+        try:
+            try:
+                spec = await self._spec_for(ended)
+                data = await self._snapshot(ended)
+            except (_Unscorable, TransientError):
+                raise
+            except Exception as exc:  # the store or bus, not the rollout
+                if may_retry:
+                    raise TransientError(f"{exc!r}") from exc
+                raise _Unscorable(f"could not fetch the rollout's inputs: {exc!r}") from exc
+            workdir = self.settings.work_root / f"{subject_token(ended.rollout_id)[:64]}-{uuid.uuid4().hex[:8]}"
+            workdir.mkdir(mode=0o755)
+            try:
+                await asyncio.to_thread(unpack_snapshot, data, workdir, self._unpack_limits())
+            except UnsafeSnapshot as exc:
+                raise _Unscorable(f"unusable snapshot: {exc}") from exc
+            return await self._score(ended, spec, workdir)
+        except TransientError:
+            raise
+        except _Unscorable as exc:
+            log.warning("evaluator: rollout %s not scored: %s", ended.rollout_id, exc)
+            return failed_event(ended, str(exc))
+        except Exception as exc:  # our own fault: still an event, never a silent loss
+            log.exception("evaluator: internal error on rollout %s", ended.rollout_id)
+            return failed_event(ended, f"internal error: {exc!r}")
+        finally:
+            if workdir is not None and not self.settings.keep_workdirs:
+                await asyncio.to_thread(workspace.remove_tree, workdir)
+
+    async def _spec_for(self, ended: RolloutEnded) -> TaskEvaluatorSpec:
+        task_id = getattr(ended, "task_id", None) or await self._task_of(ended)
+        if task_id is None:
+            raise _Unscorable(f"unknown rollout: no RolloutStarted for {ended.rollout_id}")
+        try:
+            spec = self.catalog.get(task_id)
+        except TaskSpecError as exc:
+            raise _Unscorable(f"bad task spec: {exc}") from exc
+        if spec is None:
+            raise _Unscorable(f"unknown task {task_id!r}")
+        return spec
+
+    async def _task_of(self, ended: RolloutEnded) -> str | None:
+        if ended.rollout_id in self._tasks:
+            return self._tasks[ended.rollout_id]
+        subject = f"gyre.{ended.run_id}.rollouts.RolloutStarted.{subject_token(ended.rollout_id)}"
+        async for d in self.bus.read(Context.ROLLOUTS, filter_subject=subject):
+            if isinstance(d.event, RolloutStarted) and d.event.rollout_id == ended.rollout_id:
+                self._tasks[ended.rollout_id] = d.event.task_id
+                return d.event.task_id
+        return None
+
+    async def _snapshot(self, ended: RolloutEnded) -> bytes:
+        if ended.snapshot_digest is None:
+            raise _Unscorable("no workspace snapshot in the ended event")
+        try:
+            return await self.store.get(ended.snapshot_digest)
+        except KeyError as exc:  # BlobNotFound
+            raise _Unscorable(f"snapshot {ended.snapshot_digest[:12]} is missing from the blob store") from exc
+        except ValueError as exc:  # BlobCorrupt
+            raise _Unscorable(f"snapshot {ended.snapshot_digest[:12]} is corrupt: {exc}") from exc
+
+    def _unpack_limits(self) -> UnpackLimits:
+        s = self.settings
+        return UnpackLimits(s.max_snapshot_bytes, s.max_unpacked_bytes, s.max_members)
+
+    async def _score(self, ended: RolloutEnded, spec: TaskEvaluatorSpec, workdir: Path) -> ScoreEvent:
+        policy = spec.combine
+        view = await asyncio.to_thread(workspace.describe, workdir) if policy.uses_judge else ""
+        verdict: TestsVerdict | None = None
+        isolation = "none (no tests run)"
+        if spec.hidden_files or spec.command:
+            verdict, isolation = await self._run_tests(spec, workdir)
+        judge_score, judge_error = None, None
+        if policy.uses_judge:
+            judge_score, judge_error = await self._ask_judge(spec, view, verdict)
+        result = combine(policy, verdict, judge_score, judge_error)
+        if isinstance(result, str):
+            return failed_event(ended, result)
+        log.info("evaluator: rollout %s: %s [%s]", ended.rollout_id, result.reason, isolation)
+        return scored_event(ended, result, verdict.outcomes if verdict else (), isolation)
+
+    async def _run_tests(self, spec: TaskEvaluatorSpec, workdir: Path) -> tuple[TestsVerdict, str]:
+        control = await asyncio.to_thread(workspace.prepare, workdir, spec)
+        env = workspace.sandbox_env(workdir, control)
+        if spec.limits.per_test_s:
+            env["GYRE_PER_TEST_S"] = f"{spec.limits.per_test_s:g}"
+        if spec.uses_pytest:
+            argv = workspace.pytest_argv(self.settings.python, workdir)
+        else:
+            argv = [self.settings.python if a == "{python}" else a for a in spec.command]
+        run = await self.sandbox.run(argv, workdir=workdir, env=env, limits=spec.limits)
+        if run.killed_by == "sandbox set-up failure":
+            raise _Unscorable(f"sandbox could not be set up: {run.output_tail[-300:]}")
+        report = await asyncio.to_thread(self._read_report, spec, workdir)
+        return score_tests(spec, report, run), run.isolation
+
+    def _read_report(self, spec: TaskEvaluatorSpec, workdir: Path) -> TestReport:
+        cap = self.settings.max_result_bytes
+        if spec.uses_pytest:
+            text = workspace.read_capped(workdir, f"{workspace.CONTROL_DIR}/{workspace.OUTCOMES_FILE}", cap)
+            return parse_outcome_lines(text or "")
+        text = workspace.read_capped(workdir, spec.junit_path or "", cap)
+        if text is None:
+            return TestReport(notes=(f"no JUnit XML at {spec.junit_path}",))
+        try:
+            return parse_junit(text)
+        except ValueError as exc:
+            return TestReport(notes=(str(exc)[:300],))
+
+    async def _ask_judge(
+        self, spec: TaskEvaluatorSpec, view: str, verdict: TestsVerdict | None
+    ) -> tuple[float | None, str | None]:
+        if self.judge is None:
+            return None, "no judge configured"
+        summary = verdict.reason if verdict else None
+        try:
+            return await self.judge.score(build_messages(spec, view, summary)), None
+        except JudgeFailed as exc:
+            return None, str(exc)
+
+    # -- the pool ---------------------------------------------------------------
+
+    async def handle(self, delivery: Delivery) -> None:
+        event = delivery.event
+        if isinstance(event, RolloutStarted):
+            self._tasks[event.rollout_id] = event.task_id
+            _bound(self._tasks)
+            return
+        if not isinstance(event, (RolloutFinished, RolloutTimedOut)) or event.event_id in self._claimed:
+            return
+        self._claimed[event.event_id] = None
+        _bound(self._claimed)
+        try:
+            outcome = await self.evaluate(event, may_retry=delivery.num_delivered < self.consumer_config().max_deliver)
+            await self.bus.publish(outcome)  # ack (by returning) only once it is stored
+        except BaseException:
+            self._claimed.pop(event.event_id, None)  # let the redelivery score it
+            raise
+        self._tasks.pop(event.rollout_id, None)
+        self.counts["scored" if isinstance(outcome, RolloutScored) else "failed"] += 1
+
+    def consumer_config(self) -> ConsumerConfig:
+        run = self.settings.run_id or "*"
+        return ConsumerConfig(
+            name=self.settings.consumer_name,
+            context=Context.ROLLOUTS,
+            filter_subject=f"gyre.{run}.rollouts.>",
+            batch=1,  # one rollout per fetch, so the workers share the queue
+            max_deliver=3,
+            ack_wait_s=self.settings.ack_wait_s,
+        )
+
+    async def run(self, stop: StopSignal) -> None:
+        """Score rollouts until ``stop`` is set."""
+        await self.start()
+        config = self.consumer_config()
+        await asyncio.gather(
+            *(self.bus.run_consumer(config, self.handle, stop=stop) for _ in range(self.settings.workers))
+        )
+
+
+def _bound(memo: OrderedDict, limit: int = 100_000) -> None:
+    while len(memo) > limit:
+        memo.popitem(last=False)

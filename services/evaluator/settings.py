@@ -1,0 +1,47 @@
+"""The evaluator's settings: validated once at start, then passed down.
+
+From ``GYRE_EVALUATOR_*`` variables (nested with ``__``, e.g.
+``GYRE_EVALUATOR_JUDGE__BASE_URL``) or built in code.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class JudgeSettings(BaseModel):
+    base_url: str = Field(min_length=1, description="OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1")
+    model: str = Field(min_length=1)
+    api_key: SecretStr | None = None
+    timeout_s: float = Field(default=60.0, gt=0)
+    attempts: int = Field(default=3, ge=1, le=10)
+    backoff_s: float = Field(default=1.0, ge=0)
+    max_tokens: int = Field(default=512, ge=1)
+
+
+class EvaluatorSettings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="GYRE_EVALUATOR_", env_nested_delimiter="__", extra="ignore", frozen=True
+    )
+
+    tasks_dir: Path = Field(default=Path("tasks"), description="one folder per task: evaluator.yaml + hidden/")
+    work_root: Path = Field(default=Path(tempfile.gettempdir()) / "gyre-evaluator", description="scratch workspaces")
+    workers: int = Field(default=2, ge=1, le=64, description="rollouts scored at once")
+    isolation: Literal["auto", "namespaces", "uid", "none"] = "auto"
+    uid_base: int = Field(default=61000, ge=1000, description="sandbox n runs as uid_base + n")
+    python: str = Field(default=sys.executable, description="interpreter (with pytest) that runs hidden tests")
+    run_id: str | None = Field(default=None, description="score this run only; None = every run")
+    consumer_name: str = "evaluator"
+    ack_wait_s: float = Field(default=1800.0, gt=0, description="longer than the longest evaluation")
+    max_snapshot_bytes: int = Field(default=512 * 2**20, ge=1024)
+    max_unpacked_bytes: int = Field(default=2 * 2**30, ge=1024)
+    max_members: int = Field(default=100_000, ge=1)
+    max_result_bytes: int = Field(default=8 * 2**20, ge=1024, description="cap on result files read back")
+    keep_workdirs: bool = False
+    judge: JudgeSettings | None = None

@@ -1,0 +1,44 @@
+"""The model's chat template and tokenizer (a Hugging Face model folder), as a Renderer.
+
+It counts the tokens it encodes (``encoded_tokens``): the proxy's own tokenisation work,
+which the TITO design keeps proportional to each turn's new messages.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ..core.messages import Msg, ToolSpec
+
+
+class HFRenderer:
+    def __init__(self, folder: str | Path, *, chat_template: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.folder = Path(folder)
+        self.tokenizer: Any = AutoTokenizer.from_pretrained(str(folder))
+        if chat_template is not None:
+            self.tokenizer.chat_template = chat_template
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the tokenizer in {folder} has no chat template")
+        self.encoded_tokens = 0
+        eos = self.tokenizer.eos_token
+        self.stop_texts: tuple[str, ...] = tuple(t for t in (eos, "<|endoftext|>") if t)
+        self.stop_token_ids: list[int] = sorted({self.tokenizer.convert_tokens_to_ids(t) for t in self.stop_texts
+                                                 if t in self.tokenizer.get_vocab()})
+        self.max_context = int(getattr(self.tokenizer, "model_max_length", 32768) or 32768)
+
+    def render(self, msgs: list[Msg], tools: list[ToolSpec], *, add_generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(
+            [m.template_dict() for m in msgs], tools=[t.template_dict() for t in tools] or None,
+            tokenize=False, add_generation_prompt=add_generation_prompt,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        self.encoded_tokens += len(ids)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)

@@ -1,0 +1,116 @@
+"""Control endpoints (admin token): cells, draining, session moves, stats.
+
+The scheduler drives these (through its NATS commands in the live system, or HTTP):
+- ``POST /admin/cells`` ``{"name", "url", "capacity"}``: add or re-activate a cell;
+- ``POST /admin/cells/{name}/drain`` ``{"timeout_s"}``: no new sessions; waits (bounded)
+  for calls in flight; answers with the sessions still pinned there, to be moved;
+- ``POST /admin/cells/{name}/activate``, ``DELETE /admin/cells/{name}``;
+- ``POST /admin/sessions/move`` ``{"session", "to_cell"}``: the session's next call goes
+  to ``to_cell`` (KV migration, when wanted, is the scheduler's step before this);
+- ``GET /admin/cells``, ``GET /admin/stats``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from .api.common import ApiError
+from .core.routing import NoCellAvailable
+
+
+def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> None:
+    from .app import require_admin
+
+    def fail(e: ApiError) -> JSONResponse:
+        return JSONResponse({"error": {"message": e.message, "type": e.kind}}, status_code=e.status)
+
+    async def guarded(request: Request, fn) -> Any:
+        try:
+            require_admin(request, admin_token)
+            body = {}
+            if request.method == "POST":
+                raw = await request.body()
+                if raw:
+                    import json
+
+                    body = json.loads(raw)
+                    if not isinstance(body, dict):
+                        raise ApiError(400, "invalid_request", "body must be a JSON object")
+            return await fn(body)
+        except ApiError as e:
+            return fail(e)
+        except (NoCellAvailable, ValueError, KeyError) as e:
+            return fail(ApiError(400, "invalid_request", str(e)))
+
+    @app.post("/admin/cells")
+    async def add_cell(request: Request) -> Any:
+        async def run(body: dict) -> Any:
+            name, url = body.get("name"), body.get("url")
+            if not isinstance(name, str) or not isinstance(url, str):
+                raise ApiError(400, "invalid_request", "'name' and 'url' are required strings")
+            service.add_cell(name, url, int(body.get("capacity", 8)))
+            return {"ok": True, "cells": _cells(service)}
+
+        return await guarded(request, run)
+
+    @app.delete("/admin/cells/{name}")
+    async def remove_cell(name: str, request: Request) -> Any:
+        async def run(body: dict) -> Any:
+            service.router.remove_cell(name)
+            return {"ok": True}
+
+        return await guarded(request, run)
+
+    @app.post("/admin/cells/{name}/drain")
+    async def drain(name: str, request: Request) -> Any:
+        async def run(body: dict) -> Any:
+            service.router.drain(name)
+            deadline = time.monotonic() + float(body.get("timeout_s", 30))
+            while service.router.cells[name].in_flight and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            cell = service.router.cells[name]
+            return {"ok": cell.in_flight == 0, "in_flight": cell.in_flight,
+                    "sessions": service.router.sessions_on(name)}
+
+        return await guarded(request, run)
+
+    @app.post("/admin/cells/{name}/activate")
+    async def activate(name: str, request: Request) -> Any:
+        async def run(body: dict) -> Any:
+            service.router.activate(name)
+            return {"ok": True}
+
+        return await guarded(request, run)
+
+    @app.post("/admin/sessions/move")
+    async def move(request: Request) -> Any:
+        async def run(body: dict) -> Any:
+            before = service.router.move_session(str(body["session"]), str(body["to_cell"]))
+            return {"ok": True, "from_cell": before}
+
+        return await guarded(request, run)
+
+    @app.get("/admin/cells")
+    async def cells(request: Request) -> Any:
+        async def run(body: dict) -> Any:
+            return {"cells": _cells(service)}
+
+        return await guarded(request, run)
+
+    @app.get("/admin/stats")
+    async def stats(request: Request) -> Any:
+        async def run(body: dict) -> Any:
+            s = service.stats
+            return {"calls": s.calls, "undelivered": s.undelivered, "drift": s.drift}
+
+        return await guarded(request, run)
+
+
+def _cells(service: Any) -> list[dict[str, Any]]:
+    return [{"name": c.name, "state": c.state.value, "capacity": c.capacity, "in_flight": c.in_flight,
+             "sessions": len(service.router.sessions_on(c.name))} for c in service.router.cells.values()]

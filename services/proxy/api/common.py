@@ -1,0 +1,193 @@
+"""What the three APIs share: the normalised request, generation events, errors, and the
+mapping from API sampling fields to SGLang's ``sampling_params``."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.messages import Msg, ToolCall, ToolSpec
+
+MAX_STOP_SEQUENCES = 16
+
+
+class ApiError(Exception):
+    """An error the caller sees, rendered in its own API's error shape.
+
+    ``kind`` is one of: invalid_request, authentication, permission, not_found,
+    too_large, rate_limit, overloaded, upstream, internal.
+    """
+
+    def __init__(self, status: int, kind: str, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.message, self.param = status, kind, message, param
+
+
+def bad_request(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, "invalid_request", message, param)
+
+
+@dataclass
+class ChatRequest:
+    api: str  # openai_chat | openai_responses | anthropic_messages
+    model: str
+    messages: list[Msg]
+    tools: list[ToolSpec] = field(default_factory=list)
+    tool_choice: Any = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    stop: list[str] = field(default_factory=list)
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def sampling_params(self, default_max_tokens: int, stop_token_ids: list[int]) -> dict[str, Any]:
+        sp: dict[str, Any] = {"max_new_tokens": self.max_tokens or default_max_tokens,
+                              "stop_token_ids": list(stop_token_ids), "skip_special_tokens": False,
+                              "no_stop_trim": True}
+        if self.temperature is not None:
+            sp["temperature"] = self.temperature
+        if self.top_p is not None:
+            sp["top_p"] = self.top_p
+        if self.top_k is not None:
+            sp["top_k"] = self.top_k
+        if self.stop:
+            sp["stop"] = list(self.stop)
+        if self.seed is not None:
+            sp["sampling_seed"] = self.seed
+        return sp
+
+
+# -- generation events, API-neutral -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ThinkingDelta:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCallDone:
+    call: ToolCall
+    index: int
+
+
+@dataclass(frozen=True)
+class Finished:
+    reason: str  # stop | length | tool_calls | stop_sequence | abort
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    content: str
+    tool_calls: tuple[ToolCall, ...]
+    reasoning: str | None
+    call_id: str
+    stop_sequence: str | None = None
+
+
+GenEvent = TextDelta | ThinkingDelta | ToolCallDone | Finished
+
+
+# -- validation helpers -----------------------------------------------------------------
+
+
+def expect(obj: Any, kind: type | tuple[type, ...], param: str) -> Any:
+    if not isinstance(obj, kind) or (kind is int and isinstance(obj, bool)):
+        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
+        raise bad_request(f"'{param}' must be {_article(names)}, got {type(obj).__name__}", param)
+    return obj
+
+
+def _article(name: str) -> str:
+    words = {"dict": "an object", "list": "an array", "str": "a string", "int": "an integer",
+             "float": "a number", "bool": "a boolean"}
+    return " or ".join(words.get(n, n) for n in name.split(" or "))
+
+
+def opt_number(body: dict[str, Any], key: str, lo: float, hi: float) -> float | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise bad_request(f"'{key}' must be a number", key)
+    if not lo <= v <= hi:
+        raise bad_request(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+    return float(v)
+
+
+def opt_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad_request(f"'{key}' must be an integer", key)
+    if not lo <= v <= hi:
+        raise bad_request(f"'{key}' must be between {lo} and {hi}, got {v}", key)
+    return v
+
+
+def stop_list(v: Any, param: str) -> list[str]:
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
+        raise bad_request(f"'{param}' must be a string or an array of non-empty strings", param)
+    if len(v) > MAX_STOP_SEQUENCES:
+        raise bad_request(f"'{param}' has more than {MAX_STOP_SEQUENCES} entries", param)
+    return list(v)
+
+
+def tool_spec(name: Any, description: Any, parameters: Any, param: str) -> ToolSpec:
+    if not isinstance(name, str) or not name or len(name) > 128:
+        raise bad_request(f"'{param}.name' must be a non-empty string of at most 128 characters", param)
+    if description is not None and not isinstance(description, str):
+        raise bad_request(f"'{param}.description' must be a string", param)
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise bad_request(f"'{param}' schema must be a JSON object", param)
+    if parameters.get("type", "object") != "object":
+        raise bad_request(f"'{param}' schema must have type 'object'", param)
+    return ToolSpec(name, description or "", parameters)
+
+
+def text_of(content: Any, param: str, allowed: tuple[str, ...] = ("text", "input_text", "output_text")) -> str:
+    """Plain text from a string or an array of text parts."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"'{param}' must be a string or an array of content parts", param)
+    parts = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in allowed:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"'{param}[{i}]': content part type {kind!r} is not supported (text only)", param)
+        t = part.get("text")
+        if not isinstance(t, str):
+            raise bad_request(f"'{param}[{i}].text' must be a string", param)
+        parts.append(t)
+    return "".join(parts)
+
+
+def parse_arguments(raw: Any, param: str) -> dict[str, Any] | str:
+    if isinstance(raw, dict):
+        return raw
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw) if raw.strip() else {}
+        except ValueError:
+            return raw
+        return parsed if isinstance(parsed, dict) else raw
+    raise bad_request(f"'{param}' must be a JSON string or object", param)

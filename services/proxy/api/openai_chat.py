@@ -1,0 +1,133 @@
+"""OpenAI Chat Completions: request parsing, responses, stream chunks, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..core.messages import Msg, ToolCall
+from .common import (
+    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect,
+    opt_int, opt_number, parse_arguments, stop_list, text_of, tool_spec,
+)
+
+FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
+ERROR_TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",
+               "permission": "permission_error", "not_found": "not_found_error", "too_large": "invalid_request_error",
+               "rate_limit": "rate_limit_error", "overloaded": "server_error", "upstream": "server_error",
+               "internal": "server_error"}
+
+
+def error_body(err: ApiError) -> dict[str, Any]:
+    return {"error": {"message": err.message, "type": ERROR_TYPES.get(err.kind, "server_error"),
+                      "param": err.param, "code": err.kind}}
+
+
+def parse(body: Any) -> ChatRequest:
+    body = expect(body, dict, "body")
+    model = expect(body.get("model"), str, "model")
+    raw_msgs = expect(body.get("messages"), list, "messages")
+    if not raw_msgs:
+        raise bad_request("'messages' must not be empty", "messages")
+    msgs = [_message(m, f"messages[{i}]") for i, m in enumerate(raw_msgs)]
+    tools = []
+    for i, t in enumerate(body.get("tools") or []):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
+            raise bad_request(f"'{p}' must be {{'type': 'function', 'function': {{...}}}}", p)
+        f = t["function"]
+        tools.append(tool_spec(f.get("name"), f.get("description"), f.get("parameters"), p))
+    n = body.get("n")
+    if n not in (None, 1):
+        raise bad_request("only n=1 is supported", "n")
+    stream_opts = body.get("stream_options") or {}
+    max_tokens = opt_int(body, "max_completion_tokens", 1, 10**7) or opt_int(body, "max_tokens", 1, 10**7)
+    return ChatRequest(
+        api="openai_chat", model=model, messages=msgs, tools=tools, tool_choice=body.get("tool_choice"),
+        max_tokens=max_tokens, temperature=opt_number(body, "temperature", 0, 2),
+        top_p=opt_number(body, "top_p", 0, 1), stop=stop_list(body.get("stop"), "stop"),
+        seed=opt_int(body, "seed", -(2**63), 2**63 - 1), stream=bool(body.get("stream")),
+        include_usage=bool(isinstance(stream_opts, dict) and stream_opts.get("include_usage")),
+    )
+
+
+def _message(m: Any, p: str) -> Msg:
+    m = expect(m, dict, p)
+    role = m.get("role")
+    if role == "developer":
+        role = "system"
+    if role not in ("system", "user", "assistant", "tool"):
+        raise bad_request(f"'{p}.role' must be system, developer, user, assistant or tool, got {role!r}", p)
+    if role == "tool":
+        tcid = m.get("tool_call_id")
+        if not isinstance(tcid, str):
+            raise bad_request(f"'{p}.tool_call_id' is required for tool messages", p)
+        return Msg("tool", text_of(m.get("content"), f"{p}.content"), tool_call_id=tcid, name=m.get("name"))
+    calls: list[ToolCall] = []
+    for j, c in enumerate(m.get("tool_calls") or []):
+        q = f"{p}.tool_calls[{j}]"
+        if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
+            raise bad_request(f"'{q}' must have a 'function' object", q)
+        f = c["function"]
+        name = expect(f.get("name"), str, f"{q}.function.name")
+        calls.append(ToolCall(str(c.get("id") or ""), name, parse_arguments(f.get("arguments", "{}"), f"{q}.function.arguments")))
+    reasoning = m.get("reasoning_content") if isinstance(m.get("reasoning_content"), str) else None
+    return Msg(role, text_of(m.get("content"), f"{p}.content"), tuple(calls), reasoning=reasoning)
+
+
+def _tool_call_json(c: ToolCall, index: int | None = None) -> dict[str, Any]:
+    d: dict[str, Any] = {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json()}}
+    if index is not None:
+        d["index"] = index
+    return d
+
+
+def response(req: ChatRequest, fin: Finished) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": fin.content or (None if fin.tool_calls else "")}
+    if fin.tool_calls:
+        message["tool_calls"] = [_tool_call_json(c) for c in fin.tool_calls]
+    if fin.reasoning:
+        message["reasoning_content"] = fin.reasoning
+    return {
+        "id": f"chatcmpl-{fin.call_id}", "object": "chat.completion", "created": int(time.time()), "model": req.model,
+        "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(fin.reason, "stop"), "logprobs": None}],
+        "usage": _usage(fin),
+    }
+
+
+def _usage(fin: Finished) -> dict[str, Any]:
+    return {"prompt_tokens": fin.prompt_tokens, "completion_tokens": fin.completion_tokens,
+            "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
+
+
+async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
+    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for ev in events:
+        if isinstance(ev, TextDelta) and ev.text:
+            yield chunk({"content": ev.text})
+        elif isinstance(ev, ThinkingDelta) and ev.text:
+            yield chunk({"reasoning_content": ev.text})
+        elif isinstance(ev, ToolCallDone):
+            yield chunk({"tool_calls": [_tool_call_json(ev.call, ev.index)]})
+        elif isinstance(ev, Finished):
+            yield chunk({}, FINISH.get(ev.reason, "stop"))
+            if req.include_usage:
+                body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                        "choices": [], "usage": _usage(ev)}
+                yield f"data: {json.dumps(body)}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def stream_error(err: ApiError) -> str:
+    return f"data: {json.dumps(error_body(err))}\n\n"

@@ -1,0 +1,181 @@
+"""OpenAI Responses: stateless use (``store: false``; the client sends the whole input,
+function calls and their outputs included). Parsing, responses, stream events, errors."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ..core.messages import Msg, ToolCall
+from . import openai_chat
+from .common import (
+    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ToolCallDone, bad_request, expect, opt_int,
+    opt_number, parse_arguments, text_of, tool_spec,
+)
+
+error_body = openai_chat.error_body
+
+
+def parse(body: Any) -> ChatRequest:
+    body = expect(body, dict, "body")
+    model = expect(body.get("model"), str, "model")
+    if body.get("previous_response_id"):
+        raise bad_request("previous_response_id is not supported: send the whole input (store: false)",
+                          "previous_response_id")
+    msgs: list[Msg] = []
+    if body.get("instructions"):
+        msgs.append(Msg("system", expect(body["instructions"], str, "instructions")))
+    items = body.get("input")
+    if isinstance(items, str):
+        msgs.append(Msg("user", items))
+    else:
+        for i, item in enumerate(expect(items, list, "input")):
+            _item(item, f"input[{i}]", msgs)
+    if not msgs:
+        raise bad_request("'input' must not be empty", "input")
+    tools = []
+    for i, t in enumerate(body.get("tools") or []):
+        p = f"tools[{i}]"
+        t = expect(t, dict, p)
+        if t.get("type") != "function":
+            raise bad_request(f"'{p}.type' {t.get('type')!r} is not supported (function tools only)", p)
+        tools.append(tool_spec(t.get("name"), t.get("description"), t.get("parameters"), p))
+    return ChatRequest(
+        api="openai_responses", model=model, messages=msgs, tools=tools, tool_choice=body.get("tool_choice"),
+        max_tokens=opt_int(body, "max_output_tokens", 1, 10**7), temperature=opt_number(body, "temperature", 0, 2),
+        top_p=opt_number(body, "top_p", 0, 1), stream=bool(body.get("stream")),
+        extra={k: body[k] for k in ("reasoning", "store", "include", "metadata") if k in body},
+    )
+
+
+def _item(item: Any, p: str, msgs: list[Msg]) -> None:
+    item = expect(item, dict, p)
+    kind = item.get("type", "message")
+    if kind == "message":
+        role = item.get("role")
+        role = "system" if role == "developer" else role
+        if role not in ("system", "user", "assistant"):
+            raise bad_request(f"'{p}.role' must be system, developer, user or assistant", p)
+        msgs.append(Msg(role, text_of(item.get("content"), f"{p}.content")))
+    elif kind == "function_call":
+        name = expect(item.get("name"), str, f"{p}.name")
+        call = ToolCall(str(item.get("call_id") or ""), name, parse_arguments(item.get("arguments", "{}"), f"{p}.arguments"))
+        last = msgs[-1] if msgs else None
+        if last is not None and last.role == "assistant":  # calls belong to the assistant turn before them
+            msgs[-1] = Msg("assistant", last.content, last.tool_calls + (call,), reasoning=last.reasoning)
+        else:
+            msgs.append(Msg("assistant", "", (call,)))
+    elif kind == "function_call_output":
+        out = item.get("output")
+        out = out if isinstance(out, str) else text_of(out, f"{p}.output")
+        msgs.append(Msg("tool", out, tool_call_id=str(item.get("call_id") or "")))
+    elif kind == "reasoning":
+        return  # the client's copy of earlier thinking; the recorded tokens are what count
+    else:
+        raise bad_request(f"'{p}.type' {kind!r} is not supported", p)
+
+
+def _output(fin: Finished) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    if fin.reasoning:
+        out.append({"type": "reasoning", "id": f"rs_{fin.call_id}", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": fin.reasoning}]})
+    if fin.content or not fin.tool_calls:
+        out.append(_message_item(fin.call_id, fin.content))
+    for c in fin.tool_calls:
+        out.append(_call_item(c))
+    return out
+
+
+def _message_item(call_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": f"msg_{call_id}", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": []}]}
+
+
+def _call_item(c: ToolCall, status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": f"fc_{c.id}", "call_id": c.id, "name": c.name,
+            "arguments": c.arguments_json(), "status": status}
+
+
+def response(req: ChatRequest, fin: Finished, rid: str | None = None) -> dict[str, Any]:
+    incomplete = fin.reason == "length"
+    return {
+        "id": rid or f"resp_{fin.call_id}", "object": "response", "created_at": int(time.time()),
+        "status": "incomplete" if incomplete else "completed", "model": req.model, "output": _output(fin),
+        "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None, "error": None,
+        "usage": {"input_tokens": fin.prompt_tokens, "output_tokens": fin.completion_tokens,
+                  "total_tokens": fin.prompt_tokens + fin.completion_tokens,
+                  "input_tokens_details": {"cached_tokens": fin.cached_tokens},
+                  "output_tokens_details": {"reasoning_tokens": 0}},
+        "store": False, "parallel_tool_calls": True, "tools": [], "text": {"format": {"type": "text"}},
+    }
+
+
+async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
+    rid = f"resp_{uuid.uuid4().hex[:24]}"
+    seq = 0
+
+    def ev(kind: str, data: dict[str, Any]) -> str:
+        nonlocal seq
+        seq += 1
+        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **data}, ensure_ascii=False)}\n\n"
+
+    base = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
+            "model": req.model, "output": []}
+    yield ev("response.created", {"response": base})
+    yield ev("response.in_progress", {"response": base})
+    text_index: int | None = None
+    n_items = 0
+    text = ""
+    async for e in events:
+        if isinstance(e, TextDelta) and e.text:
+            if text_index is None:
+                text_index, n_items = n_items, n_items + 1
+                yield ev("response.output_item.added", {"output_index": text_index,
+                                                         "item": _message_item(rid, "", "in_progress") | {"content": []}})
+                yield ev("response.content_part.added", {"item_id": f"msg_{rid}", "output_index": text_index,
+                                                          "content_index": 0,
+                                                          "part": {"type": "output_text", "text": "", "annotations": []}})
+            text += e.text
+            yield ev("response.output_text.delta", {"item_id": f"msg_{rid}", "output_index": text_index,
+                                                     "content_index": 0, "delta": e.text})
+        elif isinstance(e, ToolCallDone):
+            for s in _close_text(ev, rid, text_index, text):
+                yield s
+            text_index = None if text_index is None else -1
+            idx, n_items = n_items, n_items + 1
+            item = _call_item(e.call)
+            yield ev("response.output_item.added", {"output_index": idx, "item": item | {"arguments": "",
+                                                                                          "status": "in_progress"}})
+            yield ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx,
+                                                                 "delta": item["arguments"]})
+            yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
+                                                                "arguments": item["arguments"]})
+            yield ev("response.output_item.done", {"output_index": idx, "item": item})
+        elif isinstance(e, Finished):
+            if text_index is not None and text_index >= 0:
+                for s in _close_text(ev, rid, text_index, text):
+                    yield s
+            final = response(req, e, rid)
+            yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                     {"response": final})
+
+
+def _close_text(ev, rid: str, index: int | None, text: str) -> list[str]:
+    if index is None or index < 0:
+        return []
+    part = {"type": "output_text", "text": text, "annotations": []}
+    return [
+        ev("response.output_text.done", {"item_id": f"msg_{rid}", "output_index": index, "content_index": 0,
+                                         "text": text}),
+        ev("response.content_part.done", {"item_id": f"msg_{rid}", "output_index": index, "content_index": 0,
+                                          "part": part}),
+        ev("response.output_item.done", {"output_index": index, "item": _message_item(rid, text)}),
+    ]
+
+
+def stream_error(err: ApiError) -> str:
+    return f"event: error\ndata: {json.dumps({'type': 'error', 'code': err.kind, 'message': err.message, 'param': err.param})}\n\n"

@@ -1,0 +1,285 @@
+"""Token-in, token-out: build each call's exact input ids from the rollout's earlier calls.
+
+The rule: never re-tokenize what the model generated, nor what an earlier call already
+sent. A rollout's calls register *boundaries*: the chain hash of a conversation prefix
+(``messages.chain_hashes``) -> a position in an earlier call's token sequence (its input
+ids followed by its output ids). A new request is matched by looking up its own chain
+hashes from the longest prefix down; the matched position gives the reused ids, and only
+the messages after it are rendered and tokenized. So a 50-turn, 256k-token conversation
+tokenizes only each turn's new messages, and every reused id is the one the engine saw or
+produced.
+
+Drift classes (``DriftClass``) for the call that continues at a boundary:
+
+- after an earlier call's *reply*: ``append`` when the chat template would re-render that
+  reply as exactly the generated ids; ``retoken_drift`` when it renders the same text but
+  re-encoding it gives other ids; ``template_drift`` when it renders other text (e.g. the
+  template drops thinking). The engine gets the generated ids in all three cases.
+- inside an earlier call's *input* (the same messages sent again and then something else:
+  a retry or an edit): ``fork``; no match at all in a rollout that has calls: ``fork`` (a
+  compaction's rewritten history, a new sub-agent conversation); the first call: ``fresh``.
+
+Pure: no HTTP, NATS or torch; the chat template and tokenizer come in as a ``Renderer``.
+"""
+
+from __future__ import annotations
+
+import array
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Protocol
+
+from libs.common.events.calls import DriftClass
+
+from .messages import Msg, ToolSpec, chain_hashes, extend_hash
+
+SENTINEL = "\u2063gyre-sentinel\u2063"
+
+
+class Renderer(Protocol):
+    """The model's chat template and tokenizer."""
+
+    def render(self, msgs: list[Msg], tools: list[ToolSpec], *, add_generation_prompt: bool) -> str: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class TemplateError(ValueError):
+    """The chat template could not render the conversation."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    call_id: str
+    offset: int  # position in the call's token sequence (input ids + output ids)
+    kind: str  # "input" (between two request messages) or "reply" (after the call's reply)
+    glue: str = ""  # text the template puts after the reply that the model did not write
+    drift: DriftClass = DriftClass.APPEND  # for "reply" boundaries: class of a continuing call
+
+
+@dataclass
+class CallTokens:
+    call_id: str
+    parent_call_id: str | None
+    prefix_len: int
+    new_ids: array.array
+    output_ids: array.array
+
+    @property
+    def input_len(self) -> int:
+        return self.prefix_len + len(self.new_ids)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How to build one call's input: a reused prefix plus newly rendered tokens."""
+
+    parent_call_id: str | None
+    prefix_len: int
+    new_ids: list[int]
+    drift: DriftClass
+    hashes: tuple[bytes, ...]  # chain hashes of the request's messages (len = messages + 1)
+    matched_messages: int  # how many request messages the reused prefix covers
+    suffix_offsets: tuple[int, ...]  # end offset (within new_ids) of each newly rendered message
+    encoded_tokens: int  # tokens this plan tokenized (the proxy's own work)
+
+    @property
+    def input_len(self) -> int:
+        return self.prefix_len + len(self.new_ids)
+
+
+@dataclass
+class TemplateShape:
+    """What a chat template adds around messages, measured once per (tools, system)."""
+
+    base_msgs: list[Msg]
+    base_text: str
+    generation_prompt: str
+    reply_tail: str  # text after an assistant message's content (e.g. "<|im_end|>\n")
+
+
+class Tito:
+    """Per-rollout token history and matching. One instance per rollout."""
+
+    def __init__(self, renderer: Renderer, *, stop_texts: tuple[str, ...] = (), cache_calls: int = 8) -> None:
+        self.renderer = renderer
+        self.stop_texts = stop_texts
+        self.calls: dict[str, CallTokens] = {}
+        self.boundaries: dict[bytes, Boundary] = {}
+        self._full_cache: OrderedDict[str, array.array] = OrderedDict()
+        self._cache_calls = cache_calls
+        self._shapes: dict[tuple[str, str], TemplateShape] = {}
+        self._continued: set[bytes] = set()  # reply boundaries some call has already continued
+
+    # -- token sequences ---------------------------------------------------------------
+
+    def full_ids(self, call_id: str) -> array.array:
+        """Input ids followed by output ids of a recorded call."""
+        cached = self._full_cache.get(call_id)
+        if cached is not None:
+            self._full_cache.move_to_end(call_id)
+            return cached
+        c = self.calls[call_id]
+        seq = array.array("i")
+        if c.parent_call_id is not None:
+            seq.extend(self.full_ids(c.parent_call_id)[: c.prefix_len])
+        seq.extend(c.new_ids)
+        seq.extend(c.output_ids)
+        self._full_cache[call_id] = seq
+        while len(self._full_cache) > self._cache_calls:
+            self._full_cache.popitem(last=False)
+        return seq
+
+    def input_ids(self, plan: Plan) -> list[int]:
+        if plan.parent_call_id is None:
+            return list(plan.new_ids)
+        prefix = self.full_ids(plan.parent_call_id)[: plan.prefix_len]
+        prefix.extend(plan.new_ids)
+        return prefix.tolist()
+
+    # -- template shape ----------------------------------------------------------------
+
+    def shape(self, tools: list[ToolSpec], system: Msg | None, tools_key: str) -> TemplateShape:
+        key = (tools_key, system.canonical() if system else "")
+        found = self._shapes.get(key)
+        if found is not None:
+            return found
+        r = self.renderer
+        base = ([system] if system else []) + [Msg("user", "."), Msg("assistant", ".")]
+        base_text = r.render(base, tools, add_generation_prompt=False)
+        with_prompt = r.render(base, tools, add_generation_prompt=True)
+        gen_prompt = _suffix(base_text, with_prompt)
+        sample = r.render(base + [Msg("user", "."), Msg("assistant", SENTINEL)], tools, add_generation_prompt=False)
+        after = sample.rsplit(SENTINEL, 1)
+        if len(after) != 2:
+            raise TemplateError("the chat template dropped an assistant message's content")
+        shape = TemplateShape(base, base_text, gen_prompt, after[1])
+        self._shapes[key] = shape
+        return shape
+
+    def message_texts(self, shape: TemplateShape, msgs: list[Msg], tools: list[ToolSpec]) -> list[str] | None:
+        """Each message's text as the template renders it after an ordinary turn, or None
+        when the template is not prefix-stable for these messages."""
+        texts, prev = [], shape.base_text
+        for i in range(len(msgs)):
+            cur = self.renderer.render(shape.base_msgs + msgs[: i + 1], tools, add_generation_prompt=False)
+            if not cur.startswith(prev):
+                return None
+            texts.append(cur[len(prev):])
+            prev = cur
+        return texts
+
+    # -- matching ----------------------------------------------------------------------
+
+    def plan(self, msgs: list[Msg], tools: list[ToolSpec], tools_key: str) -> Plan:
+        hashes = chain_hashes(msgs, tools_key)
+        for i in range(len(msgs), 0, -1):
+            b = self.boundaries.get(hashes[i])
+            if b is None:
+                continue
+            planned = self._plan_from(b, i, msgs, tools, tools_key, hashes)
+            if planned is not None:
+                if b.kind == "reply" and hashes[i] in self._continued:
+                    planned = replace(planned, drift=DriftClass.FORK)  # a second continuation: an edit
+                return planned
+        return self._plan_fresh(msgs, tools, hashes)
+
+    def _plan_from(self, b: Boundary, i: int, msgs: list[Msg], tools: list[ToolSpec], tools_key: str,
+                   hashes: list[bytes]) -> Plan | None:
+        system = msgs[0] if msgs and msgs[0].role == "system" else None
+        shape = self.shape(tools, system, tools_key)
+        texts = self.message_texts(shape, msgs[i:], tools)
+        if texts is None:
+            return None
+        enc = self.renderer.encode
+        new_ids: list[int] = []
+        offsets: list[int] = []
+        encoded = 0
+        if b.glue:
+            g = enc(b.glue)
+            new_ids.extend(g)
+            encoded += len(g)
+        for t in texts:
+            ids = enc(t)
+            encoded += len(ids)
+            new_ids.extend(ids)
+            offsets.append(len(new_ids))
+        gp = enc(shape.generation_prompt)
+        new_ids.extend(gp)
+        encoded += len(gp)
+        # new messages after an earlier reply continue that conversation; anything else
+        # (a retry or edit inside an earlier input, a request ending on the reply) forks it
+        drift = b.drift if b.kind == "reply" and i < len(msgs) else DriftClass.FORK
+        return Plan(b.call_id, b.offset, new_ids, drift, tuple(hashes), i, tuple(offsets), encoded)
+
+    def _plan_fresh(self, msgs: list[Msg], tools: list[ToolSpec], hashes: list[bytes]) -> Plan:
+        try:
+            body = self.renderer.render(msgs, tools, add_generation_prompt=False)
+            whole = self.renderer.render(msgs, tools, add_generation_prompt=True)
+        except Exception as exc:  # jinja raises many types for templates that reject input
+            raise TemplateError(f"chat template failed: {exc}") from exc
+        ids = self.renderer.encode(body)
+        gp = self.renderer.encode(_suffix(body, whole))
+        drift = DriftClass.FORK if self.calls else DriftClass.FRESH
+        return Plan(None, 0, ids + gp, drift, tuple(hashes), 0, (len(ids),), len(ids) + len(gp))
+
+    # -- recording ---------------------------------------------------------------------
+
+    def record(self, call_id: str, plan: Plan, output_ids: list[int], reply: Msg, tools: list[ToolSpec],
+               tools_key: str, finish_stop: bool) -> list[tuple[bytes, Boundary]]:
+        """Register a finished call; returns the boundaries it added (its match index)."""
+        self.calls[call_id] = CallTokens(call_id, plan.parent_call_id, plan.prefix_len,
+                                         array.array("i", plan.new_ids), array.array("i", output_ids))
+        added: list[tuple[bytes, Boundary]] = []
+        n = len(plan.hashes) - 1
+        if plan.parent_call_id is None:
+            # a fresh render: only the end of the messages is a clean boundary
+            added.append((plan.hashes[n], Boundary(call_id, plan.suffix_offsets[-1], "input")))
+        else:
+            for j, end in enumerate(plan.suffix_offsets):
+                h = plan.hashes[plan.matched_messages + j + 1]
+                added.append((h, Boundary(call_id, plan.prefix_len + end, "input")))
+        reply_hash = extend_hash(plan.hashes[n], reply)
+        glue, drift = self._reply_check(output_ids, reply, tools, tools_key, finish_stop)
+        added.append((reply_hash, Boundary(call_id, plan.input_len + len(output_ids), "reply", glue, drift)))
+        for h, b in added:
+            self.boundaries[h] = b
+        if plan.parent_call_id is not None:
+            self._continued.add(plan.hashes[plan.matched_messages])
+        return added
+
+    def restore(self, tokens: CallTokens, boundaries: list[tuple[bytes, Boundary]],
+                continued: bytes | None = None) -> None:
+        """Put back a call recorded elsewhere (another replica, or before a restart)."""
+        self.calls[tokens.call_id] = tokens
+        for h, b in boundaries:
+            self.boundaries[h] = b
+        if continued is not None:
+            self._continued.add(continued)
+
+    def _reply_check(self, output_ids: list[int], reply: Msg, tools: list[ToolSpec], tools_key: str,
+                     finish_stop: bool) -> tuple[str, DriftClass]:
+        """Glue after the reply, and how the template would re-render it (costs O(reply))."""
+        shape = self.shape(tools, None, tools_key)  # a reply renders the same whatever the system
+        generated = self.renderer.decode(output_ids)
+        stop = next((s for s in self.stop_texts if finish_stop and generated.endswith(s)), "")
+        tail = shape.reply_tail
+        glue = tail[len(stop):] if stop and tail.startswith(stop) else tail
+        before = shape.base_msgs + [Msg("user", ".")]
+        prev = self.renderer.render(before, tools, add_generation_prompt=False)
+        cur = self.renderer.render(before + [reply], tools, add_generation_prompt=False)
+        rendered = cur[len(prev):] if cur.startswith(prev) else None
+        if rendered != shape.generation_prompt + generated + glue:
+            return glue, DriftClass.TEMPLATE_DRIFT
+        gp = self.renderer.encode(shape.generation_prompt)
+        if self.renderer.encode(rendered) != gp + list(output_ids) + self.renderer.encode(glue):
+            return glue, DriftClass.RETOKEN_DRIFT
+        return glue, DriftClass.APPEND
+
+
+def _suffix(prefix: str, whole: str) -> str:
+    if not whole.startswith(prefix):
+        raise TemplateError("the generation prompt does not extend the rendered conversation")
+    return whole[len(prefix):]

@@ -1,0 +1,161 @@
+"""Turn what the model wrote into an API reply: text, thinking, and tool calls.
+
+The default format is Qwen's (Hermes-style): ``<think>...</think>`` first, then text, then
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks. A tool call
+whose JSON does not parse stays in the text (the model did write it), so nothing is lost.
+
+``StreamParser`` does the same incrementally: it lets text through as it comes, holds
+back anything that may be the start of a tag, and hands out tool calls when they close.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass, field
+
+from .messages import Msg, ToolCall
+
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def new_call_id(prefix: str = "call") -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _parse_call(body: str) -> ToolCall | None:
+    try:
+        obj = json.loads(body.strip())
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return ToolCall(new_call_id(), obj["name"], args if isinstance(args, (dict, str)) else {"value": args})
+
+
+@dataclass
+class Parsed:
+    content: str
+    tool_calls: list[ToolCall]
+    reasoning: str | None
+
+    def as_msg(self) -> Msg:
+        return Msg("assistant", self.content, tuple(self.tool_calls), reasoning=self.reasoning)
+
+
+def parse_output(text: str, stop_texts: tuple[str, ...] = ()) -> Parsed:
+    p = StreamParser(stop_texts)
+    p.feed(text)
+    p.finish()
+    return Parsed(p.content, p.tool_calls, p.reasoning)
+
+
+@dataclass
+class StreamParser:
+    stop_texts: tuple[str, ...] = ()
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    _buf: str = ""
+    _state: str = "start"  # start | think | text | call
+    _call_body: str = ""
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """Add generated text; returns (new visible text, new thinking text)."""
+        self._buf += delta
+        out_text, out_think = "", ""
+        while True:
+            if self._state == "start":
+                stripped = self._buf.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self._buf = stripped[len(THINK_OPEN):]
+                    self._state, self.reasoning = "think", ""
+                    continue
+                if THINK_OPEN.startswith(stripped) and stripped:
+                    return out_text, out_think  # could still become <think>
+                self._state = "text"
+                continue
+            if self._state == "think":
+                i = self._buf.find(THINK_CLOSE)
+                if i < 0:
+                    keep = _partial_tail(self._buf, THINK_CLOSE)
+                    chunk, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                    self.reasoning = (self.reasoning or "") + chunk
+                    return out_text, out_think + chunk
+                chunk = self._buf[:i]
+                self.reasoning = (self.reasoning or "") + chunk
+                out_think += chunk
+                self._buf = self._buf[i + len(THINK_CLOSE):].lstrip("\n")
+                self._state = "text"
+                continue
+            if self._state == "text":
+                i = self._buf.find(CALL_OPEN)
+                if i < 0:
+                    keep = max([_partial_tail(self._buf, CALL_OPEN)] + [_held(self._buf, s) for s in self.stop_texts])
+                    chunk, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+                    self.content += chunk
+                    return out_text + chunk, out_think
+                chunk = self._buf[:i]
+                self.content += chunk
+                out_text += chunk
+                self._buf = self._buf[i + len(CALL_OPEN):]
+                self._state, self._call_body = "call", ""
+                continue
+            # inside a tool call
+            i = self._buf.find(CALL_CLOSE)
+            if i < 0:
+                return out_text, out_think
+            body = self._buf[:i]
+            self._buf = self._buf[i + len(CALL_CLOSE):]
+            call = _parse_call(body)
+            if call is None:  # not a valid call: keep what the model wrote as text
+                raw = CALL_OPEN + body + CALL_CLOSE
+                self.content += raw
+                out_text += raw
+            else:
+                self.tool_calls.append(call)
+            self._state = "text"
+
+    def finish(self) -> tuple[str, str]:
+        """End of generation: flush what was held back (minus a trailing stop text)."""
+        rest, think = self._buf, ""
+        self._buf = ""
+        for s in self.stop_texts:
+            if rest.endswith(s):
+                rest = rest[: -len(s)]
+        if self._state == "call":
+            call = _parse_call(rest)
+            if call is not None:  # closed by the end of generation
+                self.tool_calls.append(call)
+                rest = ""
+            else:
+                rest = CALL_OPEN + rest
+        elif self._state == "think":
+            self.reasoning = (self.reasoning or "") + rest
+            think, rest = rest, ""
+        self._state = "text"
+        if self.tool_calls:
+            self.content = (self.content + rest).strip()
+            return rest, think
+        self.content += rest
+        return rest, think
+
+
+def _held(buf: str, stop: str) -> int:
+    """Characters to hold back at the end of ``buf``: a whole stop text, or its start."""
+    return len(stop) if buf.endswith(stop) else _partial_tail(buf, stop)
+
+
+def _partial_tail(buf: str, tag: str) -> int:
+    """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(buf)), 0, -1):
+        if buf.endswith(tag[:n]):
+            return n
+    return 0

@@ -1,0 +1,123 @@
+"""Run one generation on the inference cells, surviving a cell that fails mid-call.
+
+Streams SGLang ``/generate`` chunks (cumulative ``output_ids`` and logprobs) from the cell
+the router picks. If the cell fails (connection error, 5xx) or aborts the request (it is
+being drained or switched), the generation continues on another active cell from the
+same input ids plus the tokens already produced, so the caller sees one uninterrupted
+answer and the record holds each token's real logprob and weight version.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import httpx
+
+from .core.routing import NoCellAvailable, Router
+
+log = logging.getLogger(__name__)
+
+
+class CellClient(Protocol):
+    def generate_stream(self, input_ids: list[int], sampling_params: dict[str, Any] | None = None, *,
+                        return_logprob: bool = True, rid: str | None = None) -> AsyncIterator[dict]: ...
+
+    async def abort(self, rid: str | None = None) -> dict: ...
+
+
+@dataclass
+class Piece:
+    """New output tokens from one chunk."""
+
+    ids: list[int]
+    logprobs: list[float]
+    weight_version: int
+    cell: str
+
+
+@dataclass
+class Outcome:
+    finish_reason: str = "length"  # stop | length | abort
+    matched_stop: Any = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    cells: list[str] = field(default_factory=list)
+
+
+class CellFailure(RuntimeError):
+    pass
+
+
+def _version(meta: dict[str, Any]) -> int:
+    v = meta.get("weight_version", 0)
+    try:
+        return int(v)
+    except (TypeError, ValueError):
+        return 0
+
+
+async def generate(router: Router, clients: dict[str, CellClient], session: str, rid: str, input_ids: list[int],
+                   sampling: dict[str, Any], outcome: Outcome, *, max_attempts: int = 4) -> AsyncIterator[Piece]:
+    """Yield output pieces until the generation finishes; fill ``outcome`` at the end."""
+    produced: list[int] = []
+    budget = int(sampling.get("max_new_tokens", 128))
+    tried: set[str] = set()
+    for attempt in range(max_attempts):
+        try:
+            cell = router.pick(session, exclude=tried)
+        except NoCellAvailable as exc:
+            raise CellFailure(str(exc)) from exc
+        outcome.cells.append(cell)
+        router.begin(cell)
+        try:
+            params = dict(sampling, max_new_tokens=budget - len(produced))
+            seen = 0
+            async for chunk in clients[cell].generate_stream(input_ids + produced, params, return_logprob=True,
+                                                             rid=f"{rid}-{attempt}"):
+                ids = chunk.get("output_ids") or []
+                meta = chunk.get("meta_info") or {}
+                lps = meta.get("output_token_logprobs") or []
+                if len(ids) > seen:
+                    new = ids[seen:]
+                    new_lps = [float(x[0]) if x and x[0] is not None else 0.0 for x in lps[seen:len(ids)]]
+                    new_lps += [0.0] * (len(new) - len(new_lps))
+                    seen = len(ids)
+                    produced.extend(new)
+                    yield Piece(new, new_lps, _version(meta), cell)
+                fin = meta.get("finish_reason")
+                if fin:
+                    kind = fin.get("type") if isinstance(fin, dict) else str(fin)
+                    if attempt == 0 or not outcome.prompt_tokens:
+                        outcome.prompt_tokens = int(meta.get("prompt_tokens", len(input_ids)))
+                        outcome.cached_tokens = int(meta.get("cached_tokens", 0))
+                    if kind == "abort":
+                        raise CellFailure(f"cell {cell} aborted the request: {fin}")
+                    outcome.finish_reason = kind
+                    outcome.matched_stop = fin.get("matched") if isinstance(fin, dict) else None
+                    return
+            raise CellFailure(f"cell {cell} closed the stream without finishing")
+        except (httpx.TransportError, CellFailure) as exc:
+            _note_failure(router, cell, exc)
+            tried.add(cell)
+        except Exception as exc:
+            status = getattr(exc, "status", 0)
+            if status and int(status) < 500:
+                raise  # the cell rejected the request itself: not a cell failure
+            _note_failure(router, cell, exc)
+            tried.add(cell)
+        finally:
+            router.end(cell)
+        if len(produced) >= budget:
+            outcome.finish_reason = "length"
+            return
+    raise CellFailure(f"generation failed on cells {outcome.cells}")
+
+
+def _note_failure(router: Router, cell: str, exc: BaseException) -> None:
+    c = router.cells.get(cell)
+    if c is not None and c.state.value == "active" and not isinstance(exc, CellFailure):
+        router.mark_down(cell)
+    log.warning("cell %s failed a generation (%s); continuing elsewhere", cell, exc)

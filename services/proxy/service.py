@@ -1,0 +1,291 @@
+"""The proxy's use case: serve one agent call token-exactly and record it.
+
+``ProxyService.serve`` = authorise the rollout, bring its history up to date from the log,
+plan the input ids (TITO), generate on a cell, stream API-neutral events, and record the
+call (blobs first, then ``CallRecorded``) before the caller sees the end of the answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from libs.common.blobs import encode_logprobs, encode_tokens
+from libs.common.bus.port import BlobStore, ConcurrencyConflict, EventBus
+from libs.common.events import CallRecorded, SessionOpened
+from libs.common.events.calls import CallTimings, SessionHints, WeightSpan
+
+from .api.common import ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone
+from .core.decode import IncrementalDecoder
+from .core.hints import request_kind
+from .core.messages import text_digest, tools_key
+from .core.routing import Router
+from .core.tito import Plan, Renderer, TemplateError
+from .core.toolparse import StreamParser, parse_output
+from .generation import CellClient, CellFailure, Outcome, generate
+from .history import RolloutBook, RolloutState, encode_match_index, key_digest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ProxyConfig:
+    run_id: str
+    policy_model: str = "policy"
+    aliases: dict[str, str] = field(default_factory=dict)
+    strict_models: bool = False  # unknown model names get a 404 instead of the policy
+    default_max_tokens: int = 1024
+    max_context: int | None = None  # None: the tokenizer's model_max_length
+
+
+@dataclass
+class CallHints:
+    agent_id: str | None = None
+    parent_agent_id: str | None = None
+    role: str | None = None
+
+
+@dataclass
+class CallStats:
+    drift: dict[str, int] = field(default_factory=dict)
+    calls: int = 0
+    undelivered: int = 0
+
+
+class ProxyService:
+    def __init__(self, config: ProxyConfig, *, bus: EventBus, blobs: BlobStore, renderer: Renderer,
+                 router: Router, clients: dict[str, CellClient],
+                 client_factory: Callable[[str], CellClient] | None = None) -> None:
+        self.config = config
+        self.client_factory = client_factory
+        self.bus = bus
+        self.blobs = blobs
+        self.renderer = renderer
+        self.router = router
+        self.clients = clients
+        stop_texts = tuple(getattr(renderer, "stop_texts", ("<|im_end|>",)))
+        self.stop_texts = stop_texts
+        self.stop_token_ids = list(getattr(renderer, "stop_token_ids", []))
+        self.max_context = config.max_context or int(getattr(renderer, "max_context", 32768))
+        self.book = RolloutBook(config.run_id, bus, blobs, renderer, stop_texts)
+        self.stats = CallStats()
+        self._background: set[asyncio.Task] = set()
+
+    # -- cells -------------------------------------------------------------------------
+
+    def add_cell(self, name: str, url: str, capacity: int = 8) -> None:
+        if self.client_factory is None:
+            raise ValueError("this proxy was built without a cell client factory")
+        self.clients[name] = self.client_factory(url)
+        self.router.add_cell(name, capacity)
+
+    # -- models and auth ---------------------------------------------------------------
+
+    def resolve_model(self, name: str) -> str:
+        if name in self.config.aliases:
+            return self.config.aliases[name]
+        if name == self.config.policy_model or not self.config.strict_models:
+            return self.config.policy_model
+        raise ApiError(404, "not_found", f"model {name!r} not found; this proxy serves {self.config.policy_model!r}",
+                       "model")
+
+    async def authorize(self, rollout_id: str, api_key: str | None) -> None:
+        info = await self.book.lookup(rollout_id)
+        if info is None or info.ended or not api_key:
+            raise ApiError(401, "authentication", "invalid API key or unknown/finished rollout")
+        if not hmac.compare_digest(info.key_digest, key_digest(api_key)):
+            raise ApiError(401, "authentication", "invalid API key or unknown/finished rollout")
+
+    # -- planning ----------------------------------------------------------------------
+
+    async def count_tokens(self, rollout_id: str, req: ChatRequest) -> int:
+        st = self.book.state(rollout_id)
+        async with st.lock:
+            await self.book.sync(st)
+            plan = self._plan(st, req)
+        return plan.input_len
+
+    def _plan(self, st: RolloutState, req: ChatRequest) -> Plan:
+        try:
+            return st.tito.plan(req.messages, req.tools, tools_key(req.tools))
+        except TemplateError as exc:
+            raise ApiError(400, "invalid_request", str(exc)) from exc
+
+    # -- serving -----------------------------------------------------------------------
+
+    async def serve(self, rollout_id: str, req: ChatRequest, hints: CallHints) -> AsyncIterator[GenEvent]:
+        self.resolve_model(req.model)
+        st = self.book.state(rollout_id)
+        async with st.lock:
+            await self.book.sync(st)
+            plan = self._plan(st, req)
+            input_ids = st.tito.input_ids(plan)
+        max_new = req.max_tokens or self.config.default_max_tokens
+        if len(input_ids) + 1 > self.max_context:
+            raise ApiError(400, "invalid_request",
+                           f"prompt is too long: {len(input_ids)} tokens > {self.max_context - 1} maximum")
+        max_new = min(max_new, self.max_context - len(input_ids))
+        call_id = uuid.uuid4().hex
+        session = st.call_session.get(plan.parent_call_id or "", "") or f"{rollout_id}/{call_id}"
+        if plan.parent_call_id is None:
+            await self.bus.publish(SessionOpened(run_id=self.config.run_id, session_id=session, rollout_id=rollout_id,
+                                                 hints=self._hints(req, hints)))
+        req.max_tokens = max_new
+        sampling = req.sampling_params(self.config.default_max_tokens, self.stop_token_ids)
+        call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic())
+        finished = False
+        try:
+            async for ev in self._run(call, req, sampling):
+                if isinstance(ev, Finished):
+                    await self._record(st, call, req, hints, delivered=True)
+                    finished = True
+                yield ev
+        except CellFailure as exc:
+            raise ApiError(529, "overloaded", f"no inference cell could serve the call: {exc}") from exc
+        finally:
+            if not finished:  # the caller went away (or we failed): stop the cell, keep the record honest
+                self._spawn(self._abandon(st, call, req, hints))
+
+    async def _run(self, call: "_Call", req: ChatRequest, sampling: dict) -> AsyncIterator[GenEvent]:
+        decoder = IncrementalDecoder(self.renderer.decode)
+        parser = StreamParser(self.stop_texts)
+        sent_calls = [0]
+
+        def deltas(text: str, think: str) -> list[GenEvent]:
+            out: list[GenEvent] = [ThinkingDelta(think)] if think else []
+            if text:
+                out.append(TextDelta(text))
+            for i in range(sent_calls[0], len(parser.tool_calls)):
+                out.append(ToolCallDone(parser.tool_calls[i], i))
+            sent_calls[0] = len(parser.tool_calls)
+            return out
+
+        async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids, sampling,
+                                    call.outcome):
+            if call.first_token is None:
+                call.first_token = time.monotonic()
+            call.add(piece.ids, piece.logprobs, piece.weight_version)
+            for ev in deltas(*parser.feed(decoder.push(piece.ids))):
+                yield ev
+        for ev in deltas(*parser.finish()):
+            yield ev
+        # the record keeps what the full decode says (streamed deltas are for the caller's eyes)
+        call.parsed = parse_output(self.renderer.decode(call.output_ids), self.stop_texts)
+        call.parsed.tool_calls = list(parser.tool_calls) or call.parsed.tool_calls
+        out = call.outcome
+        reason = "tool_calls" if call.parsed.tool_calls and out.finish_reason == "stop" else out.finish_reason
+        stop_seq = out.matched_stop if isinstance(out.matched_stop, str) else None
+        yield Finished(reason if not stop_seq else "stop_sequence", len(call.input_ids), len(call.output_ids),
+                       out.cached_tokens, call.parsed.content, tuple(call.parsed.tool_calls), call.parsed.reasoning,
+                       call.call_id, stop_seq)
+
+    # -- recording ---------------------------------------------------------------------
+
+    def _hints(self, req: ChatRequest, hints: CallHints) -> SessionHints:
+        system = req.messages[0].content if req.messages and req.messages[0].role == "system" else None
+        kind = request_kind(req.messages, agent_id=hints.agent_id, has_tools=bool(req.tools))
+        return SessionHints(agent_id=hints.agent_id, parent_agent_id=hints.parent_agent_id, role=hints.role, kind=kind,
+                            system_digest=text_digest(system) if system is not None else None,
+                            tools_digest=tools_key(req.tools) if req.tools else None)
+
+    async def _record(self, st: RolloutState, call: "_Call", req: ChatRequest, hints: CallHints,
+                      *, delivered: bool) -> None:
+        """Blobs first, then the event, appended only if this replica has seen every call
+        of the rollout before it (optimistic concurrency on the rollout's subject)."""
+        parsed = call.parsed or parse_output(self.renderer.decode(call.output_ids), self.stop_texts)
+        async with st.lock:
+            boundaries = st.tito.record(call.call_id, call.plan, call.output_ids, parsed.as_msg(), req.tools,
+                                        tools_key(req.tools), call.outcome.finish_reason == "stop")
+            st.call_session[call.call_id] = call.session
+            digests = await asyncio.gather(
+                self.blobs.put(encode_tokens(call.plan.new_ids)), self.blobs.put(encode_tokens(call.output_ids)),
+                self.blobs.put(encode_logprobs(call.logprobs)),
+                self.blobs.put(encode_match_index(
+                    call.call_id, boundaries,
+                    call.plan.hashes[call.plan.matched_messages] if call.plan.parent_call_id else None)))
+            ev = self._event(call, req, hints, digests, delivered)
+            for _ in range(5):
+                try:
+                    st.seq = await self.bus.publish(ev, expect_last_subject_seq=st.seq)
+                    break
+                except ConcurrencyConflict:
+                    await self.book.sync(st)  # another replica recorded a call of this rollout
+            else:
+                st.seq = await self.bus.publish(ev)
+        self.stats.calls += 1
+        self.stats.drift[call.plan.drift.value] = self.stats.drift.get(call.plan.drift.value, 0) + 1
+        if not delivered:
+            self.stats.undelivered += 1
+
+    def _event(self, call: "_Call", req: ChatRequest, hints: CallHints, digests: list[str],
+               delivered: bool) -> CallRecorded:
+        new_d, out_d, lp_d, idx_d = digests
+        now = time.monotonic()
+        return CallRecorded(
+            run_id=self.config.run_id, call_id=call.call_id, rollout_id=call.rollout_id, session_id=call.session,
+            api=req.api, parent_call_id=call.plan.parent_call_id, prefix_len=call.plan.prefix_len,
+            new_input_digest=new_d, n_new_input_tokens=len(call.plan.new_ids), output_digest=out_d,
+            logprobs_digest=lp_d, n_output_tokens=len(call.output_ids), weight_spans=call.spans(),
+            drift=call.plan.drift, match_index_digest=idx_d, model=req.model,
+            finish_reason=call.outcome.finish_reason, delivered=delivered, hints=self._hints(req, hints),
+            timings=CallTimings(total_ms=(now - call.started) * 1000,
+                                first_token_ms=(call.first_token - call.started) * 1000 if call.first_token else None),
+            cell=call.outcome.cells[-1] if call.outcome.cells else None,
+        )
+
+    async def _abandon(self, st: RolloutState, call: "_Call", req: ChatRequest, hints: CallHints) -> None:
+        for cell in call.outcome.cells[-1:]:
+            try:
+                await self.clients[cell].abort(f"{call.call_id}-{len(call.outcome.cells) - 1}")
+            except Exception as exc:  # the cell may be gone; nothing more to stop
+                log.info("abort of %s on %s failed: %r", call.call_id, cell, exc)
+        if call.output_ids:
+            try:
+                await self._record(st, call, req, hints, delivered=False)
+            except Exception:
+                log.exception("could not record undelivered call %s", call.call_id)
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drain_background(self) -> None:
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+
+@dataclass
+class _Call:
+    call_id: str
+    rollout_id: str
+    session: str
+    plan: Plan
+    input_ids: list[int]
+    started: float
+    first_token: float | None = None
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    outcome: Outcome = field(default_factory=Outcome)
+    parsed: object | None = None
+
+    def add(self, ids: list[int], logprobs: list[float], version: int) -> None:
+        self.output_ids.extend(ids)
+        self.logprobs.extend(logprobs)
+        self.versions.extend([version] * len(ids))
+
+    def spans(self) -> list[WeightSpan]:
+        out: list[WeightSpan] = []
+        for i, v in enumerate(self.versions):
+            if out and out[-1].version == v:
+                out[-1] = WeightSpan(start=out[-1].start, end=i + 1, version=v)
+            else:
+                out.append(WeightSpan(start=i, end=i + 1, version=v))
+        return out
+

@@ -1,0 +1,200 @@
+"""Scheduler state and ``evolve``: the only way that state changes.
+
+``evolve(state, fact) -> state`` is pure and total over legal facts; an illegal one
+(a second core cell, a phase skipped, a satellite joining training while the core heads
+away from it) raises :class:`IllegalTransition` with the cell and the reason, so a live
+scheduler refuses it and a replay of a corrupt log stops where the log went wrong.
+
+Invariant kept on every switch start: the training group is rooted at the core cell.
+A satellite may start toward training only while the core is in or heading to training,
+and the core may start leaving training only once no satellite is in or heading to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from .facts import (
+    CellAdded,
+    Fact,
+    PhaseReached,
+    Pressure,
+    SwitchAborted,
+    SwitchFinished,
+    SwitchStarted,
+    WaterLevelObserved,
+)
+from .lifecycle import (
+    STABLE_PHASE,
+    CellPhase,
+    IllegalTransition,
+    Role,
+    check_phase_reached,
+    check_rollback,
+    check_switch_finished,
+    check_switch_start,
+)
+
+
+@dataclass(frozen=True)
+class Cell:
+    name: str
+    phase: CellPhase
+    capacity: int
+    is_core: bool = False
+    since: float = 0.0  # when the current role or switch began
+    switches: int = 0  # switches started, for flapping checks and reports
+    last_failure: str | None = None
+
+    @property
+    def owns_optimizer(self) -> bool:
+        """The core keeps optimizer state and authoritative weights in every phase."""
+        return self.is_core
+
+    @property
+    def heading_to(self) -> Role:
+        return self.phase.heading_to
+
+    @property
+    def switching(self) -> bool:
+        return not self.phase.is_stable
+
+
+@dataclass(frozen=True)
+class SchedulerState:
+    cells: tuple[Cell, ...] = ()  # sorted by name, so iteration order is deterministic
+    now: float = 0.0
+    pressure: Pressure = Pressure.STEADY
+    pressure_since: float = 0.0
+    level: float = 0.0  # last raw water level
+    smoothed_level: float | None = None  # None until the first observation
+    level_at: float = 0.0  # when the water level was last observed
+
+    def cell(self, name: str) -> Cell:
+        for c in self.cells:
+            if c.name == name:
+                return c
+        raise IllegalTransition(f"unknown cell {name!r}")
+
+    @property
+    def core(self) -> Cell | None:
+        return next((c for c in self.cells if c.is_core), None)
+
+    def in_phase(self, *phases: CellPhase) -> tuple[Cell, ...]:
+        return tuple(c for c in self.cells if c.phase in phases)
+
+    def heading_to(self, role: Role) -> tuple[Cell, ...]:
+        return tuple(c for c in self.cells if c.heading_to is role)
+
+    @property
+    def switching(self) -> tuple[Cell, ...]:
+        return tuple(c for c in self.cells if c.switching)
+
+    def pressure_held(self, at: float) -> float:
+        """Seconds the current pressure has lasted (0 while steady)."""
+        return 0.0 if self.pressure is Pressure.STEADY else at - self.pressure_since
+
+    def roles_count(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for c in self.cells:
+            counts[c.phase.value] = counts.get(c.phase.value, 0) + 1
+        return counts
+
+
+def evolve(state: SchedulerState, fact: Fact) -> SchedulerState:
+    """Apply one fact. Raises :class:`IllegalTransition` for a fact the lifecycle forbids."""
+    handler = _HANDLERS.get(type(fact))
+    if handler is None:
+        raise TypeError(f"evolve: not a scheduler fact: {type(fact).__name__}")
+    new = handler(state, fact)
+    return replace(new, now=max(state.now, fact.at))
+
+
+def evolve_all(state: SchedulerState, facts: list[Fact] | tuple[Fact, ...]) -> SchedulerState:
+    for fact in facts:
+        state = evolve(state, fact)
+    return state
+
+
+def _put(state: SchedulerState, cell: Cell) -> SchedulerState:
+    others = [c for c in state.cells if c.name != cell.name]
+    return replace(state, cells=tuple(sorted([*others, cell], key=lambda c: c.name)))
+
+
+def _cell_added(state: SchedulerState, fact: CellAdded) -> SchedulerState:
+    if any(c.name == fact.cell for c in state.cells):
+        raise IllegalTransition(f"cell {fact.cell}: registered twice")
+    if fact.capacity < 1:
+        raise IllegalTransition(f"cell {fact.cell}: capacity must be >= 1, got {fact.capacity}")
+    if fact.is_core and state.core is not None:
+        raise IllegalTransition(
+            f"cell {fact.cell}: a core cell already exists ({state.core.name}); "
+            "there is one optimizer owner per run"
+        )
+    if fact.role is Role.TRAINING and not fact.is_core and not _core_toward_training(state):
+        raise IllegalTransition(f"cell {fact.cell}: a satellite cannot register in training without the core")
+    cell = Cell(fact.cell, STABLE_PHASE[fact.role], fact.capacity, fact.is_core, since=fact.at)
+    return _put(state, cell)
+
+
+def _core_toward_training(state: SchedulerState) -> bool:
+    core = state.core
+    return core is not None and core.heading_to is Role.TRAINING
+
+
+def _switch_started(state: SchedulerState, fact: SwitchStarted) -> SchedulerState:
+    cell = state.cell(fact.cell)
+    phase = check_switch_start(cell.name, cell.phase, fact.to_role)
+    if fact.to_role is Role.TRAINING and not cell.is_core and not _core_toward_training(state):
+        raise IllegalTransition(
+            f"cell {cell.name}: a satellite cannot move to training while the core cell "
+            "is not in or heading to training"
+        )
+    if fact.to_role is Role.INFERENCE and cell.is_core:
+        in_training = [c.name for c in state.heading_to(Role.TRAINING) if not c.is_core]
+        if in_training:
+            raise IllegalTransition(
+                f"cell {cell.name}: the core cell cannot leave training while satellites "
+                f"{', '.join(in_training)} are in or heading to it"
+            )
+    moved = replace(cell, phase=phase, since=fact.at, switches=cell.switches + 1)
+    # A switch answers the current pressure: the next one must see it held again.
+    return replace(_put(state, moved), pressure_since=fact.at)
+
+
+def _phase_reached(state: SchedulerState, fact: PhaseReached) -> SchedulerState:
+    cell = state.cell(fact.cell)
+    phase = check_phase_reached(cell.name, cell.phase, fact.phase)
+    return _put(state, replace(cell, phase=phase))
+
+
+def _switch_finished(state: SchedulerState, fact: SwitchFinished) -> SchedulerState:
+    cell = state.cell(fact.cell)
+    phase = check_switch_finished(cell.name, cell.phase, fact.role)
+    return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=None))
+
+
+def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerState:
+    cell = state.cell(fact.cell)
+    if fact.phase is not cell.phase:
+        raise IllegalTransition(
+            f"cell {cell.name}: failure reported in {fact.phase.value} but the cell is {cell.phase.value}"
+        )
+    phase = check_rollback(cell.name, cell.phase, fact.role)
+    return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=fact.reason))
+
+
+def _water_level_observed(state: SchedulerState, fact: WaterLevelObserved) -> SchedulerState:
+    since = state.pressure_since if fact.pressure is state.pressure else fact.at
+    return replace(state, pressure=fact.pressure, pressure_since=since, level=fact.level,
+                   smoothed_level=fact.smoothed, level_at=fact.at)
+
+
+_HANDLERS = {
+    CellAdded: _cell_added,
+    SwitchStarted: _switch_started,
+    PhaseReached: _phase_reached,
+    SwitchFinished: _switch_finished,
+    SwitchAborted: _switch_aborted,
+    WaterLevelObserved: _water_level_observed,
+}

@@ -1,0 +1,125 @@
+"""Bytes for the blob store: token arrays (from the proxy) and packed trees (for the trainer).
+
+Token arrays: token ids are int32 little-endian, logprobs float32 little-endian, no
+header (the event carries the count). This must match what the proxy writes.
+
+Packed tree (``GYRPK1``)::
+
+    b"GYRPK1\\n" | uint32 LE header length | header JSON (sorted keys, no spaces) |
+    token_ids i4 | position_ids i4 | parent_index i4 | loss_mask u1 |
+    loss_weights f4 | behaviour_logprobs f4 | weight_versions i4        (all LE, n each)
+
+The encoding is deterministic, so the digest of a packed tree is a function of its
+content: rebuilding from the log gives the same digests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+from array import array
+
+from .packing import BranchEnd, PackedTree, Segment
+
+MAGIC = b"GYRPK1\n"
+_COLUMNS = (
+    ("token_ids", "i"),
+    ("position_ids", "i"),
+    ("parent_index", "i"),
+    ("loss_mask", "B"),
+    ("loss_weights", "f"),
+    ("behaviour_logprobs", "f"),
+    ("weight_versions", "i"),
+)
+
+
+class CodecError(ValueError):
+    """Bytes that are not what they claim to be."""
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _le(a: array) -> bytes:
+    if sys.byteorder == "big" and a.itemsize > 1:
+        a = array(a.typecode, a)
+        a.byteswap()
+    return a.tobytes()
+
+
+def _from_le(code: str, data: bytes) -> array:
+    a = array(code)
+    if len(data) % a.itemsize:
+        raise CodecError(f"{len(data)} bytes is not a whole number of {a.itemsize}-byte items")
+    a.frombytes(data)
+    if sys.byteorder == "big" and a.itemsize > 1:
+        a.byteswap()
+    return a
+
+
+def encode_ids(ids) -> bytes:
+    return _le(array("i", ids))
+
+
+def decode_ids(data: bytes) -> array:
+    return _from_le("i", data)
+
+
+def encode_logprobs(logprobs) -> bytes:
+    return _le(array("f", logprobs))
+
+
+def decode_logprobs(data: bytes) -> array:
+    return _from_le("f", data)
+
+
+def encode_packed(p: PackedTree) -> bytes:
+    header = {
+        "rollout_id": p.rollout_id,
+        "piece": p.piece,
+        "n_pieces": p.n_pieces,
+        "role": p.role,
+        "n_tokens": p.n_tokens,
+        "n_execution_trained_tokens": p.n_execution_trained_tokens,
+        "oversize": p.oversize,
+        "segments": [[s.offset, s.length, s.parent, s.depth, int(s.context)] for s in p.segments],
+        "branches": [[b.call_id, b.role, b.last_token] for b in p.branches],
+    }
+    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
+    parts = [MAGIC, struct.pack("<I", len(head)), head]
+    for name, code in _COLUMNS:
+        value = getattr(p, name)
+        parts.append(bytes(value) if code == "B" else _le(value))
+    return b"".join(parts)
+
+
+def decode_packed(data: bytes) -> PackedTree:
+    if not data.startswith(MAGIC):
+        raise CodecError("not a packed tree (bad magic)")
+    at = len(MAGIC)
+    (n_head,) = struct.unpack_from("<I", data, at)
+    at += 4
+    header = json.loads(data[at : at + n_head])
+    at += n_head
+    n = header["n_tokens"]
+    cols = {}
+    for name, code in _COLUMNS:
+        size = n * array(code).itemsize
+        chunk = data[at : at + size]
+        if len(chunk) != size:
+            raise CodecError(f"packed tree truncated in {name}")
+        cols[name] = bytes(chunk) if code == "B" else _from_le(code, chunk)
+        at += size
+    if at != len(data):
+        raise CodecError(f"{len(data) - at} trailing bytes after a packed tree")
+    return PackedTree(
+        rollout_id=header["rollout_id"], piece=header["piece"], n_pieces=header["n_pieces"],
+        role=header["role"], segments=tuple(Segment(o, ln, par, d, bool(c))
+                                            for o, ln, par, d, c in header["segments"]),
+        branches=tuple(BranchEnd(cid, role, seg) for cid, role, seg in header["branches"]),
+        n_execution_trained_tokens=header["n_execution_trained_tokens"],
+        oversize=header["oversize"], **cols,
+    )

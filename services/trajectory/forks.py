@@ -1,0 +1,266 @@
+"""Fork detection and classification, and the role of every call.
+
+A harness leaves a tree, not a line: it compacts its context (a *summary* call, then a
+*continuation* that starts over from the summary), spawns sub-agents (new conversations),
+retries (same input, new continuation) and sometimes edits its history. Each call is
+compared with the previous call of the same *agent line* (a lineage: the main agent, one
+sub-agent, one side conversation), which the harness rules tell apart:
+
+- ``claude_code``: the ``x-claude-code-agent-id`` header (hint ``agent_id``) names a
+  sub-agent; calls without it are the main agent's; a call under the main agent whose
+  system prompt *and* tools both differ from the main line's is a side request (title
+  generation). Compaction requests can be recognised by token markers (the tokenised
+  compaction instruction) when the adapter supplies them, else in hindsight.
+- ``openai_tools``: a generic tool-calling agent: lines are told apart by agent id, else by
+  system-prompt digest; the first line seen is the main agent.
+
+In hindsight means: a rewrite of the line's history (not an extension, not a retry) that
+is followed by a call which starts over sharing little with it was a compaction summary,
+and that next call is its continuation. An explicit ``x-gyre-role`` (hint ``role``) always
+wins, and so does the proxy's own classification (hint ``kind``) when it sends one.
+"""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+from .records import ROLES, BranchRole, CallRecord, ForkType, line_role, summary_role
+from .tree import TrajectoryTree
+
+Relation = Literal["first", "extend", "retry", "rewrite"]
+
+
+@dataclass(frozen=True)
+class HarnessRules:
+    """How to read one harness's calls. Presets: :data:`HARNESS_RULES`."""
+
+    name: str
+    lineage_hints: tuple[str, ...] = ("agent_id",)  # hint fields naming an agent line
+    main_line: Literal["unnamed", "first_seen"] = "unnamed"
+    side_when_system_and_tools_change: bool = False
+    summary_markers: tuple[tuple[int, ...], ...] = ()
+    continuation_markers: tuple[tuple[int, ...], ...] = ()
+    infer_summaries: bool = True
+    continuation_max_shared: float = 0.5  # a continuation shares < this of the summary's input
+
+    def with_markers(
+        self, summary: Sequence[Sequence[int]] = (), continuation: Sequence[Sequence[int]] = ()
+    ) -> HarnessRules:
+        return replace(
+            self,
+            summary_markers=tuple(tuple(m) for m in summary if m),
+            continuation_markers=tuple(tuple(m) for m in continuation if m),
+        )
+
+
+HARNESS_RULES: dict[str, HarnessRules] = {
+    "claude_code": HarnessRules("claude_code", ("agent_id",), "unnamed", True),
+    "openai_tools": HarnessRules("openai_tools", ("agent_id", "system_digest"), "first_seen", False),
+}
+HARNESS_RULES["generic"] = HARNESS_RULES["openai_tools"]
+
+# Texts a Claude Code compaction carries (claude-code-forks.md); the adapter tokenises them.
+CLAUDE_CODE_SUMMARY_TEXTS = (
+    "Your task is to create a detailed summary of the conversation so far",
+    "Respond with TEXT ONLY. Do NOT call any tools.",
+)
+CLAUDE_CODE_CONTINUATION_TEXTS = (
+    "This session is being continued from a previous conversation that ran out of context.",
+)
+
+
+def markers_from_texts(encode, texts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """Token markers from texts. The first and last token are dropped: at a text's edges
+    BPE merges with its neighbours, inside it the tokens are stable."""
+    out = []
+    for text in texts:
+        ids = list(encode(text))
+        if len(ids) > 4:
+            out.append(tuple(ids[1:-1]))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class CallLabel:
+    """What one call is: its line, role, and the fork it makes (if any)."""
+
+    call_index: int
+    call_id: str
+    lineage: str
+    role: BranchRole
+    relation: Relation
+    fork: ForkType | None = None
+    position: int = 0  # token depth where it parts from ``forked_from``
+    forked_from: int | None = None  # call index
+    previous: int | None = None  # the call of its line it was compared with
+
+
+@dataclass
+class _Line:
+    key: str
+    role: BranchRole
+    calls: list[int]
+    system_digest: str | None = None
+    tools_digest: str | None = None
+    ends: list[int] = field(default_factory=list)  # recent calls no later call extends
+
+
+def classify_calls(tree: TrajectoryTree, rules: HarnessRules) -> list[CallLabel]:
+    """Label every call of the tree, in arrival order."""
+    lines: dict[str, _Line] = {}
+    line_of: list[_Line] = []
+    prev_of: list[int | None] = []
+    relation: list[tuple[Relation, int]] = []  # (relation to previous call of line, shared)
+    for c, call in enumerate(tree.calls):
+        line = _line_for(call, rules, lines)
+        prev, rel = _previous(tree, c, line)
+        relation.append(rel)
+        line.calls.append(c)
+        line_of.append(line)
+        prev_of.append(prev)
+    summaries = _find_summaries(tree, rules, lines, relation)
+    return [
+        _label(tree, rules, c, line_of[c], prev_of[c], relation[c], summaries)
+        for c in range(len(tree.calls))
+    ]
+
+
+def _line_for(call: CallRecord, rules: HarnessRules, lines: dict[str, _Line]) -> _Line:
+    hints = call.hints
+    key = next((getattr(hints, f) for f in rules.lineage_hints if getattr(hints, f)), None)
+    if hints.kind == "side":
+        key = f"side:{hints.system_digest or call.call_id}"
+    elif key is None:
+        key = "main"
+    main_key = "main" if rules.main_line == "unnamed" else next(
+        (k for k, ln in lines.items() if ln.role == "main"), key
+    )
+    line = lines.get(key)
+    if line is not None and rules.side_when_system_and_tools_change and _is_side(line, call):
+        key = f"side:{hints.system_digest}:{hints.tools_digest}"
+        line = lines.get(key)
+    if line is None:
+        explicit = hints.role if hints.role in ROLES else None
+        if explicit is not None:
+            role = line_role(explicit)
+        elif key == main_key and not key.startswith("side:"):
+            role = "main"
+        else:
+            role = "subagent"
+        line = _Line(key, role, [], hints.system_digest, hints.tools_digest)
+        lines[key] = line
+    return line
+
+
+def _is_side(line: _Line, call: CallRecord) -> bool:
+    h = call.hints
+    if line.system_digest is None or h.system_digest is None:
+        return False
+    return h.system_digest != line.system_digest and h.tools_digest != line.tools_digest
+
+
+_RECENT_ENDS = 8  # how many open ends of a line a call may continue
+
+
+def _previous(tree: TrajectoryTree, c: int, line: _Line) -> tuple[int | None, tuple[Relation, int]]:
+    """The call c is compared with: the recent end of its line that it extends (calls
+    of one line can interleave, e.g. a side conversation the harness does not name),
+    else the line's latest call."""
+    for end in reversed(line.ends):
+        shared = tree.common_prefix_len(c, end)
+        if shared >= tree.call_length(end):
+            line.ends.remove(end)
+            line.ends.append(c)
+            return end, ("extend", shared)
+    prev = line.calls[-1] if line.calls else None
+    line.ends = (line.ends + [c])[-_RECENT_ENDS:]
+    return prev, _relation(tree, c, prev)
+
+
+def _relation(tree: TrajectoryTree, c: int, prev: int | None) -> tuple[Relation, int]:
+    if prev is None:
+        return "first", tree.placements[c].graft_depth
+    shared = tree.common_prefix_len(c, prev)
+    if shared >= tree.call_length(prev):
+        return "extend", shared
+    n_in = tree.call_input_length(prev)
+    if shared >= n_in and tree.call_input_length(c) == n_in:
+        return "retry", shared
+    return "rewrite", shared
+
+
+def _find_summaries(tree, rules, lines, relation) -> set[int]:
+    """Calls that are compaction summaries: by hint, by marker, or in hindsight."""
+    found = set()
+    for c, call in enumerate(tree.calls):
+        role = call.hints.role
+        if call.hints.kind == "compaction_summary" or (role in ROLES and role.endswith("summary")):
+            found.add(c)
+        elif rules.summary_markers and _has_marker(call.new_input_ids, rules.summary_markers):
+            found.add(c)
+    if rules.infer_summaries:
+        for line in lines.values():
+            found |= _summaries_in_hindsight(tree, rules, line.calls, relation)
+    return found
+
+
+def _summaries_in_hindsight(tree, rules, calls: list[int], relation) -> set[int]:
+    """A rewrite (and its retries) followed by a call that starts over was a summary."""
+    found = set()
+    for i, c in enumerate(calls):
+        if relation[c][0] != "rewrite":
+            continue
+        j = i + 1
+        while j < len(calls) and relation[calls[j]][0] == "retry":
+            j += 1
+        if j == len(calls) or relation[calls[j]][0] != "rewrite":
+            continue
+        if relation[calls[j]][1] < rules.continuation_max_shared * tree.call_input_length(calls[j - 1]):
+            found.update(calls[i:j])
+    return found
+
+
+def _label(tree, rules, c, line: _Line, prev: int | None, rel, summaries: set[int]) -> CallLabel:
+    call = tree.calls[c]
+    kind, shared = rel
+    role: BranchRole = summary_role(line.role) if c in summaries else line.role
+    if call.hints.role in ROLES:
+        role = call.hints.role  # x-gyre-role wins
+    fork: ForkType | None = None
+    forked_from = prev
+    if kind == "first":
+        # A new non-main line is a new conversation spawned from the main agent's work:
+        # it parts from whatever it shares a prefix with (a fork sub-agent: the whole
+        # history it was spawned from; a fresh one: the chat template's first tokens).
+        forked_from = tree.placements[c].sibling_call
+        if forked_from is None and call.parent_call_id is not None:
+            forked_from = tree.index.get(call.parent_call_id)
+        if line.role != "main":
+            fork = "subagent"
+    elif kind == "retry":
+        fork = "retry"
+    elif kind == "rewrite":
+        continues = (
+            call.hints.kind == "post_compaction"
+            or (prev is not None and prev in summaries)
+            or (rules.continuation_markers and _has_marker(call.new_input_ids, rules.continuation_markers))
+        )
+        fork = "compaction" if c in summaries or continues else "edit"
+    if fork is None:
+        return CallLabel(c, call.call_id, line.key, role, kind, previous=prev)
+    return CallLabel(c, call.call_id, line.key, role, kind, fork, shared, forked_from, prev)
+
+
+def _has_marker(tokens: Sequence[int], markers: Sequence[Sequence[int]]) -> bool:
+    hay = array("i", tokens).tobytes()
+    for marker in markers:
+        needle = array("i", marker).tobytes()
+        at = hay.find(needle)
+        while at != -1 and at % 4:
+            at = hay.find(needle, at + 1)
+        if at != -1:
+            return True
+    return False

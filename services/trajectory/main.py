@@ -1,0 +1,65 @@
+"""Wiring for ``gyre serve trajectory``: settings and live handles in, the service running.
+
+The lead registers ``SPEC`` in ``gyre/services.py``. Options (from the run config or
+the command line): ``budget``, ``seed``, ``micro_step_tokens``, ``max_piece_tokens``,
+``group_size``, ``train_undelivered``, ``advantage_scale`` (``std`` | ``none``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from libs.common.service import ServiceContext, ServiceSpec
+
+from .advantages import AdvantageConfig
+from .forks import (CLAUDE_CODE_CONTINUATION_TEXTS, CLAUDE_CODE_SUMMARY_TEXTS, HARNESS_RULES,
+                    markers_from_texts)
+from .ledger import LedgerConfig
+from .service import create_service
+
+
+def harness_rules(encode: Callable[[str], Sequence[int]] | None = None) -> dict:
+    """The harness presets; with the policy's tokenizer, Claude Code's compaction is
+    recognised by its instruction tokens as well as in hindsight."""
+    rules = dict(HARNESS_RULES)
+    if encode is not None:
+        rules["claude_code"] = rules["claude_code"].with_markers(
+            summary=markers_from_texts(encode, CLAUDE_CODE_SUMMARY_TEXTS),
+            continuation=markers_from_texts(encode, CLAUDE_CODE_CONTINUATION_TEXTS))
+    return rules
+
+
+def ledger_config(run_id: str, options: dict[str, Any],
+                  encode: Callable[[str], Sequence[int]] | None = None) -> LedgerConfig:
+    def opt(name, cast, default):
+        value = options.get(name)
+        return default if value is None else cast(value)
+
+    return LedgerConfig(
+        run_id=run_id,
+        budget=opt("budget", int, 5),
+        seed=opt("seed", int, 0),
+        micro_step_tokens=opt("micro_step_tokens", int, 65536),
+        max_piece_tokens=opt("max_piece_tokens", int, None),
+        group_size=opt("group_size", int, None),
+        train_undelivered=opt("train_undelivered", _flag, False),
+        advantage=AdvantageConfig(scale=opt("advantage_scale", str, "std")),
+        rules=harness_rules(encode),
+    )
+
+
+def _flag(value: Any) -> bool:
+    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
+
+
+async def trajectory_main(ctx: ServiceContext) -> None:
+    # TODO(tokenizer): pass the policy tokenizer's encode once libs/common loads it.
+    config = ledger_config(ctx.runtime.settings.run_id, ctx.options)
+    service = create_service(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs)
+    ctx.health.ok(run_id=config.run_id, budget=config.budget)
+    await service.run(ctx.stop)
+
+
+SPEC = ServiceSpec("trajectory", trajectory_main,
+                   summary="merges calls into trajectory trees, samples branches, queues micro-steps")

@@ -1,0 +1,305 @@
+"""Loss data and packing: selected branches -> compact trees for tree-attention training.
+
+The selected branches of one rollout (one *execution*) form a subtree. It is laid out as
+one sequence in canonical depth-first order, as *segments* (maximal runs without a
+fork), each with a parent segment. Position ids are depths in the tree; a token sees its
+own segment up to itself and every ancestor segment, nothing else. Since ancestors come
+first in depth-first order, that is a subset of a causal mask, and the trainer can
+expand it per block from the segments without a dense s x s mask.
+
+Example: selected branches [1 2 5 20 21] and [1 2 5 30] pack as::
+
+    tokens    1  2  5 | 20 21 | 30        segments: 0 = [0,3) parent -1
+    position  0  1  2 |  3  4 |  3                  1 = [3,5) parent 0
+    parent   -1  0  1 |  2  3 |  2                  2 = [5,6) parent 0
+
+Loss data: only model-generated positions are trained (mask 1); prompts, templates and
+tool outputs are masked. Each trained position appears once however many selected
+branches share it, and carries weight 1/N, N = the execution's trained positions, so an
+execution's loss is the mean over its own unique generated tokens; the trainer sums
+weight x token loss and divides by the number of executions in the step.
+
+A subtree longer than ``max_piece_tokens`` is split into pieces along segment
+boundaries; a piece repeats the ancestor segments it needs as *context* (masked, weight
+0: they are trained in the piece where they first appear). ``n_context_tokens`` reports
+the duplication. A root-to-leaf path longer than the budget cannot be split this way:
+the budget is then raised to the longest path (splitting finer would only repeat more
+context), a branch shorter than the context it would repeat is kept in its piece, and
+pieces over the asked budget are marked ``oversize``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+
+from .records import ROLE_PRIORITY, BranchRole
+from .sampling import Branch
+from .tree import TrajectoryTree
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    max_piece_tokens: int | None = None  # None: one piece per execution
+    train_undelivered: bool = False  # outputs the agent never received are not trained
+
+
+@dataclass(frozen=True)
+class Segment:
+    offset: int  # index of its first token in the packed sequence
+    length: int
+    parent: int  # segment index; -1 at the root
+    depth: int  # position id of its first token
+    context: bool = False  # repeated ancestor context: not trained in this piece
+
+
+@dataclass(frozen=True)
+class BranchEnd:
+    call_id: str
+    role: BranchRole
+    last_token: int  # packed index of the branch's last token
+
+
+@dataclass(frozen=True, eq=False)
+class PackedTree:
+    """One piece of one execution's selected subtree, ready for the trainer."""
+
+    rollout_id: str
+    piece: int
+    n_pieces: int
+    role: BranchRole  # best role among the branches it trains
+    token_ids: array  # 'i'
+    position_ids: array  # 'i'
+    parent_index: array  # 'i': packed index of each token's parent, -1 at the root
+    loss_mask: bytes  # 1 = trained here
+    loss_weights: array  # 'f': 1 / n_execution_trained_tokens where trained, else 0
+    behaviour_logprobs: array  # 'f': the proxy's logprobs (0 where not generated)
+    weight_versions: array  # 'i': version that generated the token, -1 if not generated
+    segments: tuple[Segment, ...]
+    branches: tuple[BranchEnd, ...]
+    n_execution_trained_tokens: int
+    oversize: bool = False
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def n_trained_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+    @property
+    def n_context_tokens(self) -> int:
+        return sum(s.length for s in self.segments if s.context)
+
+
+@dataclass
+class _Chain:
+    runs: list[tuple[int, int]]  # (arena start, kept length) per tree node
+    parent: int
+    length: int
+    depth: int
+    best_role: int = len(ROLE_PRIORITY)
+
+
+def pack_branches(
+    tree: TrajectoryTree, selected: list[Branch], config: PackingConfig = PackingConfig()
+) -> list[PackedTree]:
+    """Pack one execution's selected branches into one or more pieces."""
+    if not selected:
+        return []
+    kept = _kept_lengths(tree, selected)
+    chains, where = [], {}
+    for nodes, parent in tree.chains(kept):
+        runs, offset = [], 0
+        for n in nodes:
+            where[n] = (len(chains), offset)
+            runs.append((tree.node(n)[0], kept[n]))
+            offset += kept[n]
+        chains.append(_Chain(runs, parent, offset, tree.node(nodes[0])[2]))
+    ends = []  # (chain, offset in chain) of each selected branch's last token
+    for b in selected:
+        n = tree.owner(b.end)
+        chain, offset = where[n]
+        ends.append((chain, offset + b.end - tree.node(n)[0]))
+        i = chain
+        while i != -1:
+            chains[i].best_role = min(chains[i].best_role, ROLE_PRIORITY.index(b.role))
+            i = chains[i].parent
+    undelivered = set() if config.train_undelivered else {
+        c for c, call in enumerate(tree.calls) if not call.delivered
+    }
+    masks = [_trained_mask(tree, ch, undelivered) for ch in chains]
+    n_trained = sum(sum(m) for m in masks)
+    plan = _plan_pieces(chains, config.max_piece_tokens)
+    return [
+        _build_piece(tree, chains, masks, entries, selected, ends, k, len(plan), n_trained, config)
+        for k, entries in enumerate(plan)
+    ]
+
+
+def _kept_lengths(tree: TrajectoryTree, selected: list[Branch]) -> dict[int, int]:
+    """How many leading tokens of each node the selected branches cover."""
+    kept: dict[int, int] = {}
+    for b in selected:
+        n = tree.owner(b.end)
+        start, length, _, parent = tree.node(n)
+        kept[n] = max(kept.get(n, 0), b.end - start + 1)
+        n = parent
+        while n > 0 and kept.get(n) != tree.node(n)[1]:
+            kept[n] = tree.node(n)[1]
+            n = tree.node(n)[3]
+    return kept
+
+
+def _trained_mask(tree: TrajectoryTree, chain: _Chain, undelivered: set[int]) -> bytes:
+    parts = []
+    for s, ln in chain.runs:
+        gen = bytes(tree.generated[s : s + ln])
+        if undelivered and any(gen):
+            gen = bytes(g and tree.origin[s + j] not in undelivered for j, g in enumerate(gen))
+        parts.append(gen)
+    return b"".join(parts)
+
+
+def _plan_pieces(chains: list[_Chain], budget: int | None) -> list[list[tuple[int, bool]]]:
+    """Split top-down into pieces of (chain index, is context) entries.
+
+    Whole sibling subtrees are packed together under one copy of their common context;
+    a subtree too big for a piece keeps its own chain in the first piece of its children
+    and is context for the others. The budget is raised to the longest root-to-leaf
+    path (a piece must hold a whole path), and a subtree smaller than the context it
+    would have to repeat is not moved out (that would add work, not save memory).
+    """
+    if not budget:
+        return [[(i, False) for i in range(len(chains))]]
+    budget = max(budget, max(ch.depth + ch.length for ch in chains))
+    children: dict[int, list[int]] = {-1: []}
+    for i, ch in enumerate(chains):
+        children.setdefault(i, [])
+        children[ch.parent].append(i)
+    size = [ch.length for ch in chains]
+    span = [1] * len(chains)  # chains in the subtree: preorder makes it a contiguous range
+    for i in range(len(chains) - 1, -1, -1):
+        for c in children[i]:
+            size[i] += size[c]
+            span[i] += span[c]
+    planner = _Planner(chains, children, size, span, budget)
+    planner.place(children[-1], [])
+    return planner.pieces
+
+
+@dataclass
+class _Planner:
+    chains: list[_Chain]
+    children: dict[int, list[int]]
+    size: list[int]
+    span: list[int]
+    budget: int
+    pieces: list[list[tuple[int, bool]]] = field(default_factory=list)
+
+    def place(self, roots: list[int], context: list[int], carry: tuple[list[int], int] = ([], 0)) -> None:
+        """Bin the subtrees under ``roots`` into pieces that repeat ``context``;
+        ``carry`` (chains, tokens) are subtrees of an outer level riding along."""
+        base = sum(self.chains[c].length for c in context)
+        own, used = list(carry[0]), base + carry[1]
+        for r in roots:
+            # Moving a subtree smaller than the context it would repeat adds more work
+            # than it takes off this piece: it stays, even over the budget.
+            if used + self.size[r] <= self.budget or (own and base > self.size[r]):
+                own.extend(range(r, r + self.span[r]))
+                used += self.size[r]
+            elif base + self.size[r] <= self.budget:
+                self._emit(context, own)
+                own, used = list(range(r, r + self.span[r])), base + self.size[r]
+            else:  # r's subtree alone is too big: split below r
+                ride = (own, used - base)
+                if used + self.chains[r].length > self.budget:
+                    self._emit(context, own)
+                    ride = ([], 0)
+                first = len(self.pieces)
+                self.place(self.children[r], context + [r], ride)
+                piece = self.pieces[first]  # r is trained in the first piece below it
+                self.pieces[first] = [(c, ctx and c != r) for c, ctx in piece]
+                own, used = [], base
+        self._emit(context, own)
+
+    def _emit(self, context: list[int], own: list[int]) -> None:
+        if own:
+            self.pieces.append([(c, True) for c in context] + [(c, False) for c in own])
+
+
+def _build_piece(tree, chains, masks, entries, selected, ends, k, n_pieces, n_trained, config):
+    cols = {name: array(code) for name, code in (
+        ("tok", "i"), ("pos", "i"), ("par", "i"), ("w", "f"), ("lp", "f"), ("ver", "i"))}
+    mask = bytearray()
+    segments: list[Segment] = []
+    local: dict[int, int] = {}
+    weight = 1.0 / n_trained if n_trained else 0.0
+    for chain_index, is_context in entries:
+        ch = chains[chain_index]
+        offset = len(cols["tok"])
+        parent = local.get(ch.parent, -1)
+        local[chain_index] = len(segments)
+        segments.append(Segment(offset, ch.length, parent, ch.depth, is_context))
+        for s, ln in ch.runs:
+            cols["tok"].extend(tree.tokens[s : s + ln])
+            cols["lp"].extend(tree.logprobs[s : s + ln])
+            cols["ver"].extend(tree.versions[s : s + ln])
+        cols["pos"].extend(array("i", range(ch.depth, ch.depth + ch.length)))
+        first_parent = segments[parent].offset + segments[parent].length - 1 if parent >= 0 else -1
+        cols["par"].append(first_parent)
+        cols["par"].extend(array("i", range(offset, offset + ch.length - 1)))
+        seg_mask = bytes(ch.length) if is_context else masks[chain_index]
+        mask.extend(seg_mask)
+        cols["w"].extend(array("f", [weight if m else 0.0 for m in seg_mask]))
+    own = {c for c, ctx in entries if not ctx}
+    branch_ends = tuple(
+        BranchEnd(b.call_id, b.role, segments[local[chain]].offset + offset)
+        for b, (chain, offset) in zip(selected, ends)
+        if chain in own
+    )
+    best = min(chains[c].best_role for c in own)
+    oversize = bool(config.max_piece_tokens) and len(cols["tok"]) > config.max_piece_tokens
+    return PackedTree(
+        rollout_id=selected[0].rollout_id, piece=k, n_pieces=n_pieces, role=ROLE_PRIORITY[best],
+        token_ids=cols["tok"], position_ids=cols["pos"], parent_index=cols["par"],
+        loss_mask=bytes(mask), loss_weights=cols["w"], behaviour_logprobs=cols["lp"],
+        weight_versions=cols["ver"], segments=tuple(segments), branches=branch_ends,
+        n_execution_trained_tokens=n_trained, oversize=oversize,
+    )
+
+
+# ---------------------------------------------------------------- reading a packed tree
+
+def branch_tokens(packed: PackedTree, last_token: int) -> list[int]:
+    """Read one branch back: the tokens from the root to ``last_token``, via parents."""
+    out: list[int] = []
+    i = last_token
+    while i != -1:
+        out.append(packed.token_ids[i])
+        i = packed.parent_index[i]
+    out.reverse()
+    return out
+
+
+def segment_ancestors(packed: PackedTree) -> list[tuple[int, ...]]:
+    """For each segment, its ancestor segments (root first): what its tokens attend to."""
+    out: list[tuple[int, ...]] = []
+    for seg in packed.segments:
+        out.append(out[seg.parent] + (seg.parent,) if seg.parent >= 0 else ())
+    return out
+
+
+def dense_mask(packed: PackedTree) -> list[list[bool]]:
+    """The full s x s ancestor mask; for tests and small trees only."""
+    n = packed.n_tokens
+    rows = []
+    for q in range(n):
+        row = [False] * n
+        i = q
+        while i != -1:
+            row[i] = True
+            i = packed.parent_index[i]
+        rows.append(row)
+    return rows

@@ -1,0 +1,155 @@
+"""The trajectory service: the ledger wired to the bus and the blob store.
+
+Consumes ``CallRecorded`` (calls), ``RolloutStarted/Finished/TimedOut`` (rollouts) and
+``RolloutScored/ScoringFailed`` (scores); publishes ``ForkDetected``, ``TreeSealed``,
+``SamplesSelected`` and ``MicroStepQueued`` (trees), after storing the blobs they name.
+
+Exactly once by construction: every published event has a deterministic id, and on
+start the service rebuilds its state by replaying the log, publishing only events whose
+ids the trees stream does not hold yet. Calls that can never be applied (broken, or
+their parent never arrived) go to the bus's dead-letter subject with the reason.
+
+Streams are consumed separately, so a score can be handled before the last calls of
+its rollout; before sealing, the service reads that rollout's calls from the log to the
+end (they were all recorded before the rollout ended, hence before it was scored).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from libs.common.blobs import BlobCorrupt, BlobNotFound
+from libs.common.bus.port import BlobStore, ConsumerConfig, Delivery, EventBus, RawMessage, StopSignal
+from libs.common.events import (CallRecorded, Context, Event, RolloutFinished, RolloutScored,
+                                RolloutScoringFailed, RolloutStarted, RolloutTimedOut, subject_token)
+
+from .codec import CodecError, decode_ids, decode_logprobs
+from .ledger import Effects, LedgerConfig, TrajectoryLedger, call_from_event
+from .rollout_tree import CallOutcome
+
+log = logging.getLogger(__name__)
+
+_CONSUMED = (Context.ROLLOUTS, Context.CALLS, Context.SCORES)
+
+
+@dataclass(frozen=True)
+class DeadCall:
+    call_id: str
+    reason: str
+
+
+class TrajectoryService:
+    def __init__(self, config: LedgerConfig, *, bus: EventBus, blobs: BlobStore,
+                 consumer: str = "trajectory") -> None:
+        self.config = config
+        self.bus = bus
+        self.blobs = blobs
+        self.consumer = consumer
+        self.ledger = TrajectoryLedger(config)
+        self.dead: list[DeadCall] = []
+        self._lock = asyncio.Lock()
+        self._published: set[str] = set()
+        self._call_msgs: dict[str, RawMessage] = {}
+
+    def consumer_configs(self) -> list[ConsumerConfig]:
+        run = self.config.run_id
+        return [ConsumerConfig(name=f"{self.consumer}-{ctx.value}", context=ctx,
+                               filter_subject=f"gyre.{run}.{ctx.value}.>") for ctx in _CONSUMED]
+
+    async def run(self, stop: StopSignal) -> None:
+        """Rebuild from the log, then follow the three streams until ``stop``."""
+        await self.rebuild()
+        await asyncio.gather(*(self.bus.run_consumer(cfg, self.handle, stop=stop)
+                               for cfg in self.consumer_configs()))
+
+    async def rebuild(self) -> None:
+        """Replay the log into the ledger; publish what the trees stream lacks."""
+        run = self.config.run_id
+        async for d in self.bus.read(Context.TREES, filter_subject=f"gyre.{run}.trees.>"):
+            self._published.add(d.event.event_id)
+        for ctx in _CONSUMED:
+            async for d in self.bus.read(ctx, filter_subject=f"gyre.{run}.{ctx.value}.>"):
+                await self.handle(d)
+
+    async def handle(self, delivery: Delivery) -> None:
+        async with self._lock:
+            effects = await self._decide(delivery)
+            await self._carry_out(effects)
+
+    async def _decide(self, d: Delivery) -> Effects:
+        ev = d.event
+        if ev.run_id != self.config.run_id:
+            return Effects()
+        if isinstance(ev, CallRecorded):
+            self._call_msgs.setdefault(ev.call_id, RawMessage(d.stream, d.seq, d.subject, ev.to_json()))
+            return await self._call(ev)
+        if isinstance(ev, RolloutStarted):
+            return self.ledger.rollout_started(ev)
+        if isinstance(ev, (RolloutFinished, RolloutTimedOut)):
+            self.ledger.rollout_ended(ev.rollout_id)
+        elif isinstance(ev, (RolloutScored, RolloutScoringFailed)):
+            self.ledger.rollout_judged(ev)
+        else:
+            return Effects()
+        return await self._seal_if_ready(ev.rollout_id, ev)
+
+    async def _call(self, ev: CallRecorded) -> Effects:
+        if self.ledger.has_call(ev.rollout_id, ev.call_id):
+            return Effects()  # a redelivery or the catch-up read: nothing to fetch
+        try:
+            new_input = decode_ids(await self.blobs.get(ev.new_input_digest))
+            output = decode_ids(await self.blobs.get(ev.output_digest))
+            logprobs = decode_logprobs(await self.blobs.get(ev.logprobs_digest))
+        except (CodecError, BlobNotFound, BlobCorrupt) as exc:
+            # The proxy stores blobs before it records the call: a missing or broken
+            # blob will not heal by waiting.
+            return Effects(rejected=[CallOutcome(ev.call_id, "rejected", f"token blob: {exc!r}")])
+        if (len(new_input), len(output)) != (ev.n_new_input_tokens, ev.n_output_tokens):
+            reason = (f"blobs hold {len(new_input)} new input / {len(output)} output tokens, "
+                      f"the event says {ev.n_new_input_tokens} / {ev.n_output_tokens}")
+            return Effects(rejected=[CallOutcome(ev.call_id, "rejected", reason)])
+        return self.ledger.call_recorded(call_from_event(ev, new_input, output, logprobs))
+
+    async def _seal_if_ready(self, rollout_id: str, cause: Event) -> Effects:
+        if not self.ledger.ready_to_seal(rollout_id):
+            return Effects()
+        effects = await self._catch_up_calls(rollout_id)
+        effects.extend(self.ledger.seal(rollout_id, cause))
+        return effects
+
+    async def _catch_up_calls(self, rollout_id: str) -> Effects:
+        run = self.config.run_id
+        effects = Effects()
+        subject = f"gyre.{run}.calls.{CallRecorded.TYPE}.{subject_token(rollout_id)}"
+        async for d in self.bus.read(Context.CALLS, filter_subject=subject):
+            ev = d.event
+            if isinstance(ev, CallRecorded) and ev.rollout_id == rollout_id:
+                self._call_msgs.setdefault(ev.call_id, RawMessage(d.stream, d.seq, d.subject, ev.to_json()))
+                effects.extend(await self._call(ev))
+        return effects
+
+    async def _carry_out(self, effects: Effects) -> None:
+        for data in effects.blobs:
+            await self.blobs.put(data)
+        fresh = [e for e in effects.events if e.event_id not in self._published]
+        if fresh:
+            await self.bus.publish_many(fresh)
+            self._published.update(e.event_id for e in fresh)
+        for outcome in effects.rejected:
+            await self._dead_letter(outcome)
+
+    async def _dead_letter(self, outcome: CallOutcome) -> None:
+        if any(d.call_id == outcome.call_id for d in self.dead):
+            return
+        self.dead.append(DeadCall(outcome.call_id, outcome.reason))
+        log.warning("call %s rejected: %s", outcome.call_id, outcome.reason)
+        msg = self._call_msgs.get(outcome.call_id)
+        if msg is not None:
+            await self.bus.dead_letter(f"{self.consumer}-calls", msg, outcome.reason)
+
+
+def create_service(config: LedgerConfig, *, bus: EventBus, blobs: BlobStore) -> TrajectoryService:
+    """App factory: configuration is data, live handles are passed in."""
+    return TrajectoryService(config, bus=bus, blobs=blobs)

@@ -1,0 +1,169 @@
+"""The pure core: radix prefix tree, scheduler (batching, chunking, pause modes, stops), params."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.engine.params import InvalidRequest, check_input_ids, parse_sampling_params
+from services.engine.radix import RadixCache
+from services.engine.scheduler import PauseMode, Phase, Scheduler, Sequence, check_stop, trim_stop_text
+
+
+def _split(value, at):
+    return value[:at], value[at:]
+
+
+def _tree(capacity=1000) -> RadixCache:
+    # Values are the token runs themselves, so every split and match can be read directly.
+    return RadixCache(capacity, _split)
+
+
+def _runs(tokens):
+    return lambda start, end: tuple(tokens[start:end])
+
+
+def test_match_returns_values_covering_exactly_the_matched_tokens():
+    tree = _tree()
+    assert tree.insert([1, 2, 3, 4], _runs([1, 2, 3, 4])) == 4
+    assert tree.insert([1, 2, 9], _runs([1, 2, 9])) == 1  # splits [1,2,3,4] after [1,2]
+    assert tree.match([1, 2, 3, 7]) == (3, [(1, 2), (3,)])
+    assert tree.match([1, 2, 9, 9]) == (3, [(1, 2), (9,)])
+    assert tree.match([5]) == (0, [])
+    assert tree.match([1, 2, 3, 4], limit=2) == (2, [(1, 2)])
+    assert tree.total_tokens == 5
+
+
+def test_reinserting_a_known_sequence_adds_nothing():
+    tree = _tree()
+    tree.insert([1, 2, 3], _runs([1, 2, 3]))
+    assert tree.insert([1, 2, 3], _runs([1, 2, 3])) == 0
+    assert tree.insert([1, 2], _runs([1, 2])) == 0
+    assert tree.total_tokens == 3
+
+
+def test_lru_eviction_drops_least_recent_leaves_first_under_the_cap():
+    tree = _tree(capacity=8)
+    tree.insert([1, 1, 1, 1], _runs([1, 1, 1, 1]))
+    tree.insert([2, 2, 2, 2], _runs([2, 2, 2, 2]))
+    tree.match([1, 1, 1, 1])  # 1s are now more recent than 2s
+    tree.insert([3, 3, 3], _runs([3, 3, 3]))  # 11 tokens > 8: evict the 2s
+    assert tree.total_tokens == 7
+    assert tree.match([2, 2])[0] == 0
+    assert tree.match([1, 1, 1, 1])[0] == 4
+    assert tree.match([3, 3, 3])[0] == 3
+
+
+def test_eviction_walks_up_to_parents_that_become_leaves():
+    tree = _tree(capacity=100)
+    tree.insert([1, 2, 3], _runs([1, 2, 3]))
+    tree.insert([1, 2, 4], _runs([1, 2, 4]))
+    assert tree.evict(0) == 4
+    assert tree.total_tokens == 0 and tree.node_count() == 0
+
+
+def _seq(rid, n_prompt, **params) -> Sequence:
+    return Sequence(rid=rid, input_ids=list(range(10, 10 + n_prompt)), params=parse_sampling_params(params),
+                    eos_ids=frozenset({2}))
+
+
+def test_plan_puts_decodes_first_and_chunks_prompts_within_the_budget():
+    sched = Scheduler(max_running=4, step_token_budget=10, max_context=1000)
+    decoding, long_prompt = _seq("a", 3), _seq("b", 25)
+    for seq in (decoding, long_prompt):
+        sched.add(seq)
+    assert sched.admit() == [decoding, long_prompt]
+    decoding.kv_len = 2  # its prompt but the last token is computed: one token to feed
+    feeds = sched.plan()
+    assert [(f.seq.rid, f.start, f.count, f.samples) for f in feeds] == [("a", 2, 1, True), ("b", 0, 9, False)]
+
+
+def test_admission_respects_max_running_and_pause():
+    sched = Scheduler(max_running=1, step_token_budget=100, max_context=1000)
+    first, second = _seq("a", 2), _seq("b", 2)
+    sched.add(first)
+    sched.add(second)
+    assert sched.admit() == [first]
+    assert sched.admit() == []
+    sched.pause(PauseMode.IN_PLACE)
+    assert sched.plan() == [] and not sched.has_work()
+    sched.resume()
+    sched.finish(first, {"type": "length", "length": 0})
+    assert sched.admit() == [second]
+
+
+def test_admission_keeps_running_kv_within_its_token_room():
+    sched = Scheduler(max_running=8, step_token_budget=100, max_context=1000, max_running_tokens=100)
+    big, small, other = _seq("a", 40, max_new_tokens=55), _seq("b", 5, max_new_tokens=5), _seq("c", 5, max_new_tokens=5)
+    lone = _seq("d", 300, max_new_tokens=300)
+    for seq in (big, small, other):
+        sched.add(seq)
+    assert sched.admit() == [big]  # 95 reserved: the next 10 do not fit in 100
+    sched.finish(big, {"type": "length", "length": 55})
+    assert sched.admit() == [small, other]
+    sched.finish(small, {"type": "length", "length": 5})
+    sched.finish(other, {"type": "length", "length": 5})
+    sched.add(lone)
+    assert sched.admit() == [lone]  # too big for the room, but alone: admitted
+
+
+def test_pause_retract_requeues_running_in_order_and_abort_ends_everything():
+    sched = Scheduler(max_running=4, step_token_budget=100, max_context=1000)
+    seqs = [_seq(r, 3) for r in "abc"]
+    for seq in seqs:
+        sched.add(seq)
+    sched.admit()
+    aborted, retracted = sched.pause(PauseMode.RETRACT)
+    assert aborted == [] and retracted == seqs
+    assert list(sched.waiting) == seqs and all(s.phase is Phase.WAITING for s in seqs)
+    sched.resume()
+    aborted, _ = sched.pause(PauseMode.ABORT)
+    assert aborted == seqs and all(s.finish_reason["type"] == "abort" for s in seqs)
+    assert not sched.busy()
+
+
+def test_stop_rules_follow_sglang_finish_reasons():
+    seq = _seq("a", 2, max_new_tokens=3, stop_token_ids=[7])
+    seq.output_ids = [7]
+    assert check_stop(seq, 7, None, 1000) == {"type": "stop", "matched": 7}
+    seq = _seq("a", 2, max_new_tokens=3, min_new_tokens=2)
+    seq.output_ids = [2]
+    assert check_stop(seq, 2, None, 1000) is None  # eos before min_new_tokens does not stop
+    seq.output_ids = [2, 2]
+    assert check_stop(seq, 2, None, 1000) == {"type": "stop", "matched": 2}
+    seq = _seq("a", 2, max_new_tokens=3, ignore_eos=True)
+    seq.output_ids = [2, 2, 2]
+    assert check_stop(seq, 2, None, 1000) == {"type": "length", "length": 3}
+
+
+def test_stop_strings_are_matched_across_tokens_and_trimmed():
+    words = {5: "ab", 6: "c</", 7: "end>"}
+    decode = lambda ids: "".join(words[i] for i in ids)
+    seq = _seq("a", 2, stop="</end>")
+    seq.output_ids = [5, 6]
+    assert check_stop(seq, 6, decode, 1000) is None
+    seq.output_ids = [5, 6, 7]
+    assert check_stop(seq, 7, decode, 1000) == {"type": "stop", "matched": "</end>"}
+    assert trim_stop_text("abc</end>", seq.stop_text, keep=False) == "abc"
+    assert trim_stop_text("abc</end>", seq.stop_text, keep=True) == "abc</end>"
+
+
+def test_sampling_params_validation_matches_sglang():
+    with pytest.raises(InvalidRequest, match="unknown field bogus"):
+        parse_sampling_params({"bogus": 1})
+    with pytest.raises(InvalidRequest, match="temperature"):
+        parse_sampling_params({"temperature": -1})
+    with pytest.raises(InvalidRequest, match="not supported"):
+        parse_sampling_params({"n": 2})
+    params = parse_sampling_params({"stop": "x", "top_k": 0, "max_new_tokens": 5})
+    assert params.stop == ["x"] and params.top_k == -1 and params.max_new_tokens == 5
+    assert parse_sampling_params(None).max_new_tokens == 128
+
+
+def test_input_ids_are_checked_against_vocabulary_and_context():
+    with pytest.raises(InvalidRequest, match="empty"):
+        check_input_ids([], 100, 50)
+    with pytest.raises(InvalidRequest, match="out of vocabulary"):
+        check_input_ids([1, 100], 100, 50)
+    with pytest.raises(InvalidRequest, match="context limit"):
+        check_input_ids([1] * 50, 100, 50)
+    check_input_ids([0, 99], 100, 50)

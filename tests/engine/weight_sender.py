@@ -1,0 +1,32 @@
+"""The trainer's side of a gloo weight broadcast, run as a real second process by the tests.
+
+``python -m tests.engine.weight_sender --port P --file W.safetensors --group G`` hosts the
+TCP store as rank 0 of a 2-rank group, then broadcasts every tensor of the file in the
+file's key order (the order the test names them to the engine).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from safetensors.torch import load_file
+
+from services.engine.weights import broadcast_rank0, join_weight_group
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--file", required=True)
+    parser.add_argument("--group", required=True)
+    parser.add_argument("--names", required=True, help="comma-separated, in broadcast order")
+    args = parser.parse_args()
+    tensors = load_file(args.file)
+    group, _store = join_weight_group("127.0.0.1", args.port, 0, 2, args.group, timeout_s=60)
+    for name in args.names.split(","):
+        broadcast_rank0(group, tensors[name].contiguous())
+    print("sent", len(tensors), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""Real pytest runs in the real sandbox on small generated workspaces, one rollout each."""
+
+from __future__ import annotations
+
+from libs.common.events import RolloutScored, RolloutScoringFailed
+from services.evaluator.core.spec import Limits
+
+from ._workspaces import CALC_BROKEN, CALC_OK, CALC_PARTIAL, calc_spec, dedent_bytes, tar_of
+
+
+def outcomes(ev: RolloutScored) -> dict[str, str]:
+    return {t.name: t.outcome for t in ev.tests}
+
+
+async def test_all_pass(make_harness):
+    h = await make_harness()
+    ev = await h.score(calc_spec(), tar_of({"calc.py": CALC_OK}))
+    assert isinstance(ev, RolloutScored), ev
+    assert ev.score == 1.0 and not ev.partial
+    assert outcomes(ev) == {f"test_calc.py::test_{n}": "passed" for n in ("add", "mul", "div")}
+    assert ev.isolation == h.evaluator.sandbox.description and ev.isolation
+
+
+async def test_some_pass_weighted_and_partial_flag_for_a_timed_out_rollout(make_harness):
+    h = await make_harness()
+    ev = await h.score(calc_spec(), tar_of({"calc.py": CALC_PARTIAL}), timed_out=True)
+    assert isinstance(ev, RolloutScored), ev
+    assert outcomes(ev) == {"test_calc.py::test_add": "passed", "test_calc.py::test_mul": "failed",
+                            "test_calc.py::test_div": "failed"}
+    assert ev.score == 0.25  # add (1) of add 1 + mul 1 + div 2
+    assert ev.partial and ev.components == {"tests": 0.25}
+
+
+async def test_none_pass_when_the_workspace_is_empty_of_code(make_harness):
+    h = await make_harness()
+    ev = await h.score(calc_spec(weights={}), tar_of({"notes.txt": "I ran out of time"}))
+    assert isinstance(ev, RolloutScored) and ev.score == 0.0
+    assert outcomes(ev) == {"test_calc.py": "error"}  # the one file that could not be collected
+
+
+async def test_collection_error_is_scored_zero_with_the_reason(make_harness):
+    h = await make_harness()
+    ev = await h.score(calc_spec(), tar_of({"calc.py": CALC_BROKEN}))
+    assert isinstance(ev, RolloutScored) and ev.score == 0.0
+    assert set(outcomes(ev).values()) == {"missing"}
+    if "reason" in RolloutScored.model_fields:
+        assert "collection error: test_calc.py" in ev.reason and "SyntaxError" in ev.reason
+
+
+async def test_a_hanging_test_keeps_the_outcomes_before_it(make_harness):
+    h = await make_harness()
+    hidden = dedent_bytes("""
+        import time
+        from calc import add
+        def test_a_first():
+            assert add(1, 1) == 2
+        def test_b_hangs():
+            time.sleep(600)
+        def test_c_never_reached():
+            assert True
+    """)
+    spec = calc_spec("hang", hidden_files={"test_h.py": hidden}, limits=Limits(wall_s=4), weights={
+        "test_h.py::test_a_first": 1, "test_h.py::test_b_hangs": 1, "test_h.py::test_c_never_reached": 2})
+    ev = await h.score(spec, tar_of({"calc.py": CALC_OK}))
+    assert isinstance(ev, RolloutScored), ev
+    assert outcomes(ev) == {"test_h.py::test_a_first": "passed", "test_h.py::test_b_hangs": "error",
+                            "test_h.py::test_c_never_reached": "missing"}
+    assert ev.score == 0.25
+    if "reason" in RolloutScored.model_fields:
+        assert "wall-clock limit (4s) during test_h.py::test_b_hangs" in ev.reason
+
+
+async def test_a_custom_command_with_junit_results(make_harness):
+    h = await make_harness()
+    runner = """
+import sys
+sys.path.insert(0, ".")
+from calc import add, mul
+cases = [("calc.add", add(2, 2) == 4), ("calc.mul", mul(2, 3) == 6)]
+xml = "<testsuite>" + "".join(
+    f'<testcase classname="{c}" name="t">' + ("" if ok else '<failure message="wrong"/>') + "</testcase>"
+    for c, ok in cases) + "</testsuite>"
+open("report.xml", "w").write(xml)
+"""
+    spec = calc_spec("junit", hidden_files={"run.py": runner.encode()}, weights={},
+                     command=["{python}", "_gyre_hidden/run.py"], junit_path="report.xml")
+    ev = await h.score(spec, tar_of({"calc.py": CALC_PARTIAL}))
+    assert isinstance(ev, RolloutScored), ev
+    assert outcomes(ev) == {"calc.add::t": "passed", "calc.mul::t": "failed"} and ev.score == 0.5
+
+
+async def test_bad_input_is_a_reasoned_failure(make_harness):
+    h = await make_harness()
+    spec = calc_spec()
+    cases = {
+        "missing from the blob store": await h.rollout(spec, None, digest="a" * 64),
+        "no workspace snapshot": await h.rollout(spec, None),
+        "not a readable tar archive": await h.rollout(spec, b"garbage" * 100),
+        "escapes the workspace": await h.rollout(spec, tar_of({"../../evil.py": "x"})),
+        "unknown task 'nope'": await h.rollout("nope", tar_of({"calc.py": CALC_OK})),
+        "unknown rollout": await h.rollout(spec, tar_of({"calc.py": CALC_OK}), started=False),
+    }
+    for why, ended in cases.items():
+        ev = await h.evaluator.evaluate(ended)
+        assert isinstance(ev, RolloutScoringFailed), (why, ev)
+        assert why in ev.reason and ev.rollout_id == ended.rollout_id and ev.causation_id == ended.event_id
+        assert "internal error" not in ev.reason
+    assert not list(h.evaluator.settings.work_root.glob("r-*")), "scratch folders are removed"
+
+
+async def test_a_per_test_limit_fails_the_hung_test_and_goes_on(make_harness):
+    h = await make_harness()
+    hidden = dedent_bytes("""
+        import time
+        def test_a_hangs():
+            time.sleep(600)
+        def test_b_after():
+            assert True
+    """)
+    spec = calc_spec("per-test", hidden_files={"test_p.py": hidden}, weights={},
+                     limits=Limits(wall_s=30, per_test_s=1))
+    ev = await h.score(spec, tar_of({"x.py": ""}))
+    assert isinstance(ev, RolloutScored), ev
+    assert outcomes(ev) == {"test_p.py::test_a_hangs": "failed", "test_p.py::test_b_after": "passed"}
+    assert ev.score == 0.5

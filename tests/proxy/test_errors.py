@@ -1,0 +1,148 @@
+"""Bad input and refusals: each a 4xx/5xx in the caller's own API error shape, and
+nothing recorded for a refused call."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from libs.common.events import Context, RolloutFinished
+
+from .conftest import ADMIN, RUN
+
+OA = "/v1/chat/completions"
+AN = "/v1/messages"
+RS = "/v1/responses"
+KEY = {"Authorization": "Bearer k-secret"}
+
+
+def oa_body(**kw):
+    return {"model": "m", "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def an_body(**kw):
+    return {"model": "claude-x", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}], **kw}
+
+
+def is_openai_error(r: httpx.Response, status: int, word: str) -> None:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert word in err["message"] and err["type"]
+
+
+def is_anthropic_error(r: httpx.Response, status: int, kind: str, word: str) -> None:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == kind and word in body["error"]["message"]
+
+
+async def test_auth_errors(proxy) -> None:
+    base = await proxy.rollout("e-1")
+    async with httpx.AsyncClient() as c:
+        is_openai_error(await c.post(base + OA, json=oa_body()), 401, "API key")
+        is_openai_error(await c.post(base + OA, json=oa_body(), headers={"Authorization": "Bearer nope"}), 401, "API key")
+        is_anthropic_error(await c.post(proxy.url + "/r/unknown" + AN, json=an_body(), headers={"x-api-key": "k"}),
+                           401, "authentication_error", "unknown")
+        is_openai_error(await c.post(proxy.url + OA, json=oa_body(), headers=KEY), 401, "/r/<rollout_id>")
+        await proxy.bus.publish(RolloutFinished(run_id=RUN, rollout_id="e-1", wall_time_s=1.0))
+        proxy.service.book.rollouts.clear()  # as a fresh replica that reads the log
+        is_anthropic_error(await c.post(base + AN, json=an_body(), headers={"x-api-key": "k-secret"}),
+                           401, "authentication_error", "finished")
+        r = await c.get(proxy.url + "/admin/cells")
+        assert r.status_code == 401
+        r = await c.get(proxy.url + "/admin/cells", headers={"Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 200 and len(r.json()["cells"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "word"),
+    [
+        (OA, b"{not json", 400, "not valid JSON"),
+        (OA, {"model": 3, "messages": []}, 400, "'model' must be a string"),
+        (OA, {"model": "m", "messages": []}, 400, "must not be empty"),
+        (OA, oa_body(messages=[{"role": "wizard", "content": "x"}]), 400, "role"),
+        (OA, oa_body(temperature=7), 400, "temperature"),
+        (OA, oa_body(tools=[{"type": "function", "function": {"name": "", "parameters": {}}}]), 400, "name"),
+        (OA, oa_body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]),
+         400, "type 'object'"),
+        (OA, oa_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400,
+         "not supported"),
+        (RS, {"model": "m", "input": [{"type": "mystery"}]}, 400, "not supported"),
+        (RS, {"model": "m", "input": "x", "previous_response_id": "resp_1"}, 400, "store: false"),
+    ],
+)
+async def test_openai_bad_input(proxy, path, body, status, word) -> None:
+    base = await proxy.rollout("e-2")
+    async with httpx.AsyncClient() as c:
+        kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+        is_openai_error(await c.post(base + path, headers=KEY, **kw), status, word)
+    assert await proxy.bus.last_seq(Context.CALLS) == 0  # nothing recorded
+
+
+@pytest.mark.parametrize(
+    ("body", "word"),
+    [
+        ({"model": "c", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+        (an_body(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]), "not supported"),
+        (an_body(system=[{"type": "image"}]), "system"),
+        (an_body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "server tool"),
+        (an_body(messages=[{"role": "user", "content": [{"type": "bogus"}]}]), "unsupported content block"),
+    ],
+)
+async def test_anthropic_bad_input(proxy, body, word) -> None:
+    base = await proxy.rollout("e-3")
+    async with httpx.AsyncClient() as c:
+        r = await c.post(base + AN + "?beta=true", headers={"x-api-key": "k-secret"}, json=body)
+    is_anthropic_error(r, 400, "invalid_request_error", word)
+
+
+async def test_claude_code_extras_are_accepted(proxy) -> None:
+    base = await proxy.rollout("e-4")
+    body = an_body(system=[{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.f23;"},
+                           {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}],
+                   messages=[{"role": "user", "content": [{"type": "text", "text": "hi",
+                                                           "cache_control": {"type": "ephemeral"}}]},
+                             {"role": "system", "content": "agent types: general-purpose"}],
+                   thinking={"type": "adaptive"}, metadata={"user_id": "{\"device_id\":\"d\"}"},
+                   context_management={"edits": [{"type": "clear_thinking_20251015"}]},
+                   output_config={"effort": "high"})
+    async with httpx.AsyncClient() as c:
+        assert (await c.head(base)).status_code == 200
+        assert (await c.head(proxy.url + "/")).status_code == 200
+        r = await c.post(base + AN + "?beta=true", headers={"x-api-key": "k-secret"}, json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["type"] == "message"
+
+
+async def test_context_over_the_limit_is_a_prompt_too_long_error(proxy) -> None:
+    proxy.service.max_context = 64
+    base = await proxy.rollout("e-5")
+    async with httpx.AsyncClient() as c:
+        r = await c.post(base + AN, headers={"x-api-key": "k-secret"},
+                         json=an_body(messages=[{"role": "user", "content": "word " * 200}]))
+    is_anthropic_error(r, 400, "invalid_request_error", "prompt is too long")
+
+
+async def test_oversized_body_and_strict_models(proxy) -> None:
+    base = await proxy.rollout("e-6")
+    proxy.service.config.strict_models = True
+    async with httpx.AsyncClient() as c:
+        is_anthropic_error(await c.post(base + AN, headers={"x-api-key": "k-secret"}, json=an_body()), 404,
+                           "not_found_error", "not found")
+        is_openai_error(await c.post(base + OA, headers=KEY, json=oa_body(model="policy")), 200 - 200 + 200, "") \
+            if False else None
+        r = await c.post(base + OA, headers=KEY, json=oa_body(model="policy"))
+        assert r.status_code == 200
+        big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"x" * (65 * 1024 * 1024) + b'"}]}'
+        is_openai_error(await c.post(base + OA, headers=KEY, content=big), 413, "limit")
+
+
+async def test_no_cell_is_an_overloaded_error(proxy) -> None:
+    base = await proxy.rollout("e-7")
+    for name in list(proxy.service.router.cells):
+        proxy.service.router.drain(name)
+    async with httpx.AsyncClient() as c:
+        r = await c.post(base + AN, headers={"x-api-key": "k-secret"}, json=an_body())
+        is_anthropic_error(r, 529, "overloaded_error", "cell")
+        r = await c.post(base + OA, headers=KEY, json=oa_body())
+        assert r.status_code == 529 and r.json()["error"]["code"] == "overloaded"

@@ -1,0 +1,129 @@
+"""The pure ledger: lifecycle, group completion, micro-step batching, the tree summary."""
+
+from __future__ import annotations
+
+import json
+
+from libs.common.events import MicroStepQueued, RolloutScored, RolloutStarted, SamplesSelected, TreeSealed
+from services.trajectory.ledger import LedgerConfig, RolloutPhase, TrajectoryLedger, tree_summary
+
+from ._calls import SYSTEM, TASK, Agent, Recorder
+
+RUN = "run1"
+
+
+def _calls(rollout: str, turns: int):
+    rec = Recorder(rollout)
+    main = Agent(rec, SYSTEM + TASK)
+    for k in range(turns):
+        main.say([20 + k, 21, 2], [3, 90 + k, 91])
+    main.compact([40, 41, 2])
+    main.say([30, 2])
+    return rec.calls
+
+
+def _ledger(config: LedgerConfig, rollouts: dict[str, int], group: str = "g"):
+    ledger = TrajectoryLedger(config)
+    for r, turns in rollouts.items():
+        ledger.rollout_started(RolloutStarted(run_id=RUN, rollout_id=r, task_id="t", group_id=group,
+                                              harness="claude_code", weight_version=0,
+                                              api_key_digest="a" * 64, step=7))
+        for c in _calls(r, turns):
+            assert not ledger.call_recorded(c).rejected
+    return ledger
+
+
+def _score(ledger, rollout, score):
+    ev = RolloutScored(run_id=RUN, rollout_id=rollout, score=score)
+    ledger.rollout_ended(rollout)
+    ledger.rollout_judged(ev)
+    return ledger.seal(rollout, ev)
+
+
+def test_the_group_is_queued_once_every_rollout_is_sealed():
+    ledger = _ledger(LedgerConfig(RUN), {"r1": 3, "r2": 5, "r3": 2})
+    first = _score(ledger, "r1", 1.0)
+    assert ledger.rollouts["r1"].phase is RolloutPhase.SEALED
+    assert [e.TYPE for e in first.events] == ["ForkDetected", "ForkDetected", "TreeSealed",
+                                              "SamplesSelected"]
+    assert not any(isinstance(e, MicroStepQueued) for e in first.events)
+    _score(ledger, "r2", 0.0)
+    last = _score(ledger, "r3", 0.5)
+    steps = [e for e in last.events if isinstance(e, MicroStepQueued)]
+    assert len(steps) == 1 and steps[0].step == 7
+    assert len(steps[0].advantages) == len(steps[0].sample_digests) == 3
+    assert _score(ledger, "r3", 0.5).events == []  # sealing twice does nothing
+
+
+def test_micro_steps_respect_their_token_budget():
+    ledger = _ledger(LedgerConfig(RUN, micro_step_tokens=60), {"r1": 6, "r2": 6})
+    _score(ledger, "r1", 1.0)
+    effects = _score(ledger, "r2", 0.0)
+    steps = [e for e in effects.events if isinstance(e, MicroStepQueued)]
+    assert len(steps) > 1
+    sizes = {r.digest: r.n_tokens for s in ledger.rollouts.values() for r in s.samples}
+    for step in steps:
+        assert step.n_tokens == sum(sizes[d] for d in step.sample_digests)
+        assert step.n_tokens <= 60 or len(step.sample_digests) == 1
+    assert len({s.micro_step for s in steps}) == len(steps)
+
+
+def test_sealing_emits_summary_and_samples_with_deterministic_ids():
+    def run():
+        ledger = _ledger(LedgerConfig(RUN, group_size=2), {"r1": 4})
+        return _score(ledger, "r1", 0.75)
+
+    a, b = run(), run()
+    assert [e.event_id for e in a.events] == [e.event_id for e in b.events]
+    assert a.blobs == b.blobs
+    sealed = next(e for e in a.events if isinstance(e, TreeSealed))
+    selected = next(e for e in a.events if isinstance(e, SamplesSelected))
+    assert not any(isinstance(e, MicroStepQueued) for e in a.events)  # the group needs 2
+    summary = json.loads(a.blobs[0])
+    assert summary["score"] == 0.75 and summary["rollout_id"] == "r1"
+    assert {b["role"] for b in summary["branches"]} == {"main", "main_summary"}
+    assert len(selected.samples) == len(summary["samples"]) == 1
+    assert sealed.n_calls == len(summary["calls"]) == 6
+
+
+def test_calls_after_the_seal_are_rejected_and_redeliveries_ignored():
+    ledger = _ledger(LedgerConfig(RUN), {"r1": 2})
+    _score(ledger, "r1", 1.0)
+    again = _calls("r1", 2)[0]
+    assert ledger.call_recorded(again).rejected == []
+    late = _calls("r1", 3)[-1]
+    late = late.__class__(**{**late.__dict__, "call_id": "late"})
+    (rejected,) = ledger.call_recorded(late).rejected
+    assert "sealed" in rejected.reason
+
+
+def test_tree_summary_is_json():
+    ledger = _ledger(LedgerConfig(RUN), {"r1": 1})
+    state = ledger.rollouts["r1"]
+    doc = json.loads(tree_summary(state, state.tree.seal()))
+    assert doc["stored_tokens"] <= doc["flattened_tokens"]
+
+
+def test_a_start_read_after_the_score_still_completes_the_group():
+    ledger = TrajectoryLedger(LedgerConfig(RUN, group_size=1))
+    for c in _calls("r1", 2):
+        ledger.call_recorded(c)
+    sealed = _score(ledger, "r1", 1.0)
+    assert not any(isinstance(e, MicroStepQueued) for e in sealed.events)
+    late = ledger.rollout_started(RolloutStarted(run_id=RUN, rollout_id="r1", task_id="t", group_id="g",
+                                                 harness="claude_code", weight_version=0,
+                                                 api_key_digest="a" * 64, step=2))
+    (step,) = late.events
+    assert isinstance(step, MicroStepQueued) and step.step == 2
+
+
+def test_service_options_become_the_ledger_config():
+    from services.trajectory.main import ledger_config
+
+    config = ledger_config("run1", {"budget": "3", "micro_step_tokens": 1000, "advantage_scale": "none"},
+                           encode=lambda text: [ord(ch) for ch in text])
+    assert (config.budget, config.micro_step_tokens, config.advantage.scale) == (3, 1000, "none")
+    assert config.tree_config("claude_code").max_piece_tokens == 1000
+    rules = config.tree_config("claude_code").rules
+    assert rules.summary_markers and rules.continuation_markers
+    assert config.tree_config("unknown-harness").rules.name == "openai_tools"
