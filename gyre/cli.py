@@ -42,13 +42,14 @@ def up(
     run_id: Annotated[Optional[str], typer.Option(help="run id [GYRE_RUN_ID]")] = None,
     check: Annotated[bool, typer.Option("--check", help="exit 0 as soon as every service is healthy")] = False,
     duration: Annotated[float, typer.Option(help="stop after this many seconds (0 = until Ctrl-C)")] = 0.0,
+    cells: Annotated[int, typer.Option(min=0, max=16, help="embedded engine cells (c0 is the core cell)")] = 2,
 ) -> None:
-    """Start the embedded stack (NATS, database, services) and show its live status."""
+    """Start the embedded stack (NATS, database, services, cells, scheduler) and show its live status."""
     from gyre.up import run_up
 
     settings = _settings(run_dir=run_dir, run_id=run_id)
     _logging(settings)
-    raise typer.Exit(run_up(settings, check=check, duration=duration))
+    raise typer.Exit(run_up(settings, check=check, duration=duration, cells=cells))
 
 
 @app.command()
@@ -66,6 +67,14 @@ def serve(
     if list_ or not service:
         for name, spec in SERVICES.items():
             typer.echo(f"{name:12s} {spec.summary}")
+        typer.echo(f"{'engine':12s} embedded CPU inference engine with SGLang's HTTP API (GYRE_ENGINE_* settings)")
+        raise typer.Exit(0)
+    if service == "engine":  # serves SGLang's API itself (its own /health), on --port
+        from services.engine.main import serve as serve_engine
+
+        settings = _settings()
+        _logging(settings)
+        serve_engine(host=settings.host, port=port or free_port())
         raise typer.Exit(0)
     spec = SERVICES.get(service)
     if spec is None:
@@ -126,6 +135,14 @@ def sim(ctx: typer.Context) -> None:
     from services.scheduler.sim.cli import main as sim_main
 
     raise typer.Exit(sim_main(list(ctx.args)))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True, "help_option_names": []})
+def agent(ctx: typer.Context) -> None:
+    """Gyre's reference agent harness (OpenAI or Anthropic API, tools, compaction, sub-agents); `gyre agent --help`."""
+    from services.runner.agent.main import main as agent_main
+
+    raise typer.Exit(agent_main(list(ctx.args)))
 
 
 tree_app = typer.Typer(no_args_is_help=True, help="Trajectory trees, rebuilt from the log.")

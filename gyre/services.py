@@ -50,6 +50,31 @@ async def evaluator_main(ctx: ServiceContext) -> None:
     await run(ctx)
 
 
+async def cell_main(ctx: ServiceContext) -> None:
+    from services.cell.main import cell_main as run
+
+    await run(ctx)
+
+
+async def scheduler_main(ctx: ServiceContext) -> None:
+    from services.scheduler.main import scheduler_main as run
+
+    await run(ctx)
+
+
+async def runner_main(ctx: ServiceContext) -> None:
+    import os
+
+    from services.runner.main import runner_main as run
+
+    env = {"proxy_url": "GYRE_PROXY_URL", "tasks_dir": "GYRE_TASKS_DIR", "harness": "GYRE_RUNNER_HARNESS",
+           "work_root": "GYRE_RUNNER_WORK_ROOT", "max_parallel": "GYRE_RUNNER_MAX_PARALLEL"}
+    for option, var in env.items():
+        if os.environ.get(var) and option not in ctx.options:
+            ctx.options[option] = os.environ[var]
+    await run(ctx)
+
+
 SERVICES: dict[str, ServiceSpec] = {
     "projector": ServiceSpec("projector", projector_main, database=True,
                              summary="applies the event log to the SQL read models"),
@@ -57,4 +82,9 @@ SERVICES: dict[str, ServiceSpec] = {
     "trajectory": _trajectory_spec(),
     "evaluator": ServiceSpec("evaluator", evaluator_main,
                              summary="scores finished and timed-out rollouts from their artifacts, in sandboxes"),
+    "cell": ServiceSpec("cell", cell_main, summary="cell agent: carries out the scheduler's role switches for one cell"),
+    "runner": ServiceSpec("runner", runner_main,
+                          summary="starts agent harnesses for a step's tasks, enforces time limits, snapshots workspaces"),
+    "scheduler": ServiceSpec("scheduler", scheduler_main,
+                             summary="elastic scheduler: switches cells between inference and training by water level"),
 }

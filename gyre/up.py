@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import secrets
 import json
 import os
 import signal
@@ -48,6 +49,39 @@ class Child:
         return (self.health or {}).get("status", "starting")
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One process of the stack: ``gyre serve <service>`` with its own environment."""
+
+    name: str
+    service: str
+    port: int
+    env: dict[str, str]
+    stage: int  # started once every process of the stages before is healthy
+
+
+def plan_stack(cells: int, admin_token: str) -> list[Launch]:
+    """The embedded stack: services, ``cells`` embedded engine cells with their agents,
+    and the scheduler that switches them (cell c0 is the core cell)."""
+    proxy_port = free_port()
+    proxy_url = f"http://127.0.0.1:{proxy_port}"
+    common = {"GYRE_ADMIN_TOKEN": admin_token}
+    plan = [Launch("projector", "projector", free_port(), common, 0),
+            Launch("proxy", "proxy", proxy_port, common, 0),
+            Launch("trajectory", "trajectory", free_port(), common, 0),
+            Launch("evaluator", "evaluator", free_port(), common, 0)]
+    for i in range(cells):
+        port = free_port()
+        plan.append(Launch(f"engine-c{i}", "engine", port,
+                           {**common, "GYRE_ENGINE_ADMIN_TOKEN": admin_token, "GYRE_ENGINE_NUM_THREADS": "1"}, 0))
+        plan.append(Launch(f"cell-c{i}", "cell", free_port(),
+                           {**common, "GYRE_CELL_NAME": f"c{i}", "GYRE_CELL_ENGINE_URL": f"http://127.0.0.1:{port}",
+                            "GYRE_PROXY_URL": proxy_url, "GYRE_CELL_CORE": "1" if i == 0 else "0"}, 1))
+    if cells:
+        plan.append(Launch("scheduler", "scheduler", free_port(), {**common, "GYRE_PROXY_URL": proxy_url}, 2))
+    return plan
+
+
 def resolved_config(settings: GyreSettings) -> dict[str, Any]:
     data = settings.model_dump(mode="json")
     for key in SECRET_KEYS:
@@ -70,21 +104,29 @@ async def _record_run_started(settings: GyreSettings) -> None:
         await bus.close()
 
 
-def _spawn(name: str, env: dict[str, str], log_dir: Any) -> Child:
-    port = free_port()
-    log = open(log_dir / f"{name}.log", "ab")
-    proc = subprocess.Popen([sys.executable, "-m", "gyre", "serve", name, "--port", str(port)],
-                            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+def _spawn(launch: Launch, env: dict[str, str], log_dir: Any) -> Child:
+    log = open(log_dir / f"{launch.name}.log", "ab")
+    proc = subprocess.Popen([sys.executable, "-m", "gyre", "serve", launch.service, "--port", str(launch.port)],
+                            env={**env, **launch.env}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     log.close()
-    return Child(name, port, proc)
+    return Child(launch.name, launch.port, proc)
 
 
 def _poll(children: list[Child], client: httpx.Client) -> None:
     for c in children:
         try:
-            c.health = client.get(f"http://127.0.0.1:{c.port}/health", timeout=0.5).json()
-        except (httpx.HTTPError, ValueError):
+            r = client.get(f"http://127.0.0.1:{c.port}/health", timeout=0.5)
+        except httpx.HTTPError:
             c.health = None
+            continue
+        try:
+            c.health = r.json() if r.content else {}
+        except ValueError:
+            c.health = {}
+        if not isinstance(c.health, dict):
+            c.health = {}
+        if r.status_code == 200 and "status" not in c.health:
+            c.health["status"] = "ok"  # SGLang-style engines answer 200 with no body
 
 
 def _table(settings: GyreSettings, nats_url: str, children: list[Child]) -> Table:
@@ -101,7 +143,19 @@ def _table(settings: GyreSettings, nats_url: str, children: list[Child]) -> Tabl
     return t
 
 
-def run_up(settings: GyreSettings, *, check: bool = False, duration: float = 0.0) -> int:
+def _admin_token(settings: GyreSettings) -> str:
+    if settings.admin_token:
+        return settings.admin_token
+    path = settings.run_dir / "admin_token"
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_hex(16)
+    path.write_text(token + "\n")
+    path.chmod(0o600)
+    return token
+
+
+def run_up(settings: GyreSettings, *, check: bool = False, duration: float = 0.0, cells: int = 2) -> int:
     console = Console(stderr=check)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     log_dir = settings.run_dir / "logs"
@@ -123,8 +177,9 @@ def run_up(settings: GyreSettings, *, check: bool = False, duration: float = 0.0
         asyncio.run(_record_run_started(settings))
         env = {**os.environ, "GYRE_NATS_URL": settings.nats_url or "", "GYRE_RUN_ID": settings.run_id,
                "GYRE_RUN_DIR": str(settings.run_dir), "GYRE_DATABASE_URL": settings.sqlalchemy_url}
-        children = [_spawn(name, env, log_dir) for name in SERVICES]
-        return _watch(settings, children, console, check=check, duration=duration, stopping=lambda: stopping)
+        plan = plan_stack(cells, _admin_token(settings))
+        return _watch(settings, plan, children, env, console, check=check, duration=duration,
+                      stopping=lambda: stopping)
     except KeyboardInterrupt:
         return 0
     finally:
@@ -140,14 +195,20 @@ def run_up(settings: GyreSettings, *, check: bool = False, duration: float = 0.0
             nats.stop()
 
 
-def _watch(settings: GyreSettings, children: list[Child], console: Console, *, check: bool, duration: float,
-           stopping: Any) -> int:
+def _watch(settings: GyreSettings, plan: list[Launch], children: list[Child], env: dict[str, str],
+           console: Console, *, check: bool, duration: float, stopping: Any) -> int:
     start = time.monotonic()
+    log_dir = settings.run_dir / "logs"
+    waiting = sorted(plan, key=lambda launch: launch.stage)
     with httpx.Client() as client, Live(console=console, refresh_per_second=4, transient=False) as live:
         while not stopping():
+            ready = all(c.state == "ok" for c in children)
+            stage = waiting[0].stage if waiting else None
+            while waiting and waiting[0].stage == stage and (ready or not children):
+                children.append(_spawn(waiting.pop(0), env, log_dir))
             _poll(children, client)
             live.update(_table(settings, settings.nats_url or "", children))
-            healthy = all(c.state == "ok" for c in children)
+            healthy = not waiting and all(c.state == "ok" for c in children)
             exited = [c for c in children if c.proc.poll() is not None]
             if exited:
                 live.update(_table(settings, settings.nats_url or "", children))
@@ -160,8 +221,8 @@ def _watch(settings: GyreSettings, children: list[Child], console: Console, *, c
             if check and healthy:
                 return 0
             elapsed = time.monotonic() - start
-            if check and elapsed > 60:
-                console.print("[red]services not healthy within 60 s[/]")
+            if check and elapsed > 240:
+                console.print("[red]services not healthy within 240 s[/]")
                 return 1
             if duration and elapsed >= duration:
                 return 0

@@ -34,9 +34,16 @@ def _sim(n: int | None = None, progress: bool = True) -> dict[str, Any]:
     return run_bench("seed-nl2repo", steps=n or 48, png="docs/sim/roles-seed-nl2repo.png")
 
 
+def _switch(n: int | None = None, progress: bool = True) -> dict[str, Any]:
+    from services.cell.bench import run_bench
+
+    return run_bench(progress=progress)
+
+
 BENCHMARKS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "bus": (_bus, "raw nats-py vs Gyre's bus: publish and durable consume rates (ratios >= 0.8)"),
     "tree": (_tree, "trajectory trees: storage and training-token savings of prefix merging (--n 1: small)"),
     "proxy": (_proxy, "recording proxy overhead vs the same /generate bodies sent direct (1k/32k/256k contexts)"),
+    "switch": (_switch, "embedded cell switches inference<->training with live sessions vs a cold engine restart"),
     "sim": (_sim, "the scheduler simulator on the seed workload (same as `gyre sim --json`; --n steps)"),
 }

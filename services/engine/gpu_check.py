@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -63,14 +64,17 @@ def check_flags(cfg: SGLangConfig) -> dict:
 
 
 async def run_checks(model_path: str, folder: Path, port: int, workdir: Path,
-                     module: str = "sglang.launch_server") -> dict:
+                     module: str = "sglang.launch_server", python: str = sys.executable, cpu: bool = False) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
 
     from .weights import serialize_named_tensors
 
     cfg = SGLangConfig(model_path=str(folder), port=port, dtype="float32", mem_fraction_static=0.3,
-                       weight_version="0", module=module)
+                       weight_version="0", module=module, python=python)
+    if cpu:  # SGLang's CPU engine: a dry run of this script on a machine without a GPU
+        cfg = dataclasses.replace(cfg, device="cpu", max_total_tokens=8192, mem_fraction_static=None,
+                                  enable_memory_saver=False, env={"SGLANG_USE_CPU_ENGINE": "1"})
     report = Report()
     await report.step("help_flags", asyncio.to_thread(check_flags, cfg))
     server = SGLangServer(cfg, log_path=workdir / "sglang.log")
@@ -192,6 +196,8 @@ def main() -> None:
     parser.add_argument("--workdir", default=".gyre/gpu_check")
     parser.add_argument("--module", default="sglang.launch_server",
                         help="launcher module (tests.engine._fakes dry-runs this script on CPU)")
+    parser.add_argument("--python", default=sys.executable, help="the interpreter that has sglang")
+    parser.add_argument("--cpu", action="store_true", help="run SGLang's CPU engine (no GPU)")
     parser.add_argument("--send")
     parser.add_argument("--send-port", type=int)
     parser.add_argument("--send-name")
@@ -202,7 +208,8 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     folder = resolve_model(args.model).folder
-    result = asyncio.run(run_checks(args.model, folder, args.port or _free_port(), workdir, args.module))
+    result = asyncio.run(run_checks(args.model, folder, args.port or _free_port(), workdir, args.module,
+                                    args.python, args.cpu))
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps({s["step"]: s["ok"] for s in result["steps"]}, indent=2))
     sys.exit(0 if result["ok"] else 1)

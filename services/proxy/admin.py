@@ -4,6 +4,8 @@ The scheduler drives these (through its NATS commands in the live system, or HTT
 - ``POST /admin/cells`` ``{"name", "url", "capacity"}``: add or re-activate a cell;
 - ``POST /admin/cells/{name}/drain`` ``{"timeout_s"}``: no new sessions; waits (bounded)
   for calls in flight; answers with the sessions still pinned there, to be moved;
+- ``POST /admin/cells/{name}/evacuate`` ``{"timeout_s", "migrate"}``: drain, then move every
+  session to another cell with its KV cache (``migration.py``), one ``SessionRerouted`` each;
 - ``POST /admin/cells/{name}/activate``, ``DELETE /admin/cells/{name}``;
 - ``POST /admin/sessions/move`` ``{"session", "to_cell"}``: the session's next call goes
   to ``to_cell`` (KV migration, when wanted, is the scheduler's step before this);
@@ -76,6 +78,21 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
             cell = service.router.cells[name]
             return {"ok": cell.in_flight == 0, "in_flight": cell.in_flight,
                     "sessions": service.router.sessions_on(name)}
+
+        return await guarded(request, run)
+
+    @app.post("/admin/cells/{name}/evacuate")
+    async def evacuate_cell(name: str, request: Request) -> Any:
+        async def run(body: dict) -> Any:
+            from dataclasses import asdict
+
+            from .migration import evacuate
+
+            if name not in service.router.cells:
+                raise ApiError(404, "not_found", f"unknown cell {name!r}")
+            ev = await evacuate(service, name, timeout_s=float(body.get("timeout_s", 30)),
+                                migrate=bool(body.get("migrate", True)), mover=getattr(service, "kv_mover", None))
+            return asdict(ev)
 
         return await guarded(request, run)
 

@@ -48,7 +48,8 @@ async def proxy_main(ctx: ServiceContext) -> None:
     config = ProxyConfig(run_id=settings.run_id, policy_model=os.environ.get("GYRE_POLICY_MODEL", "policy"),
                          strict_models=os.environ.get("GYRE_PROXY_STRICT_MODELS") == "1")
     service = ProxyService(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs, renderer=renderer, router=Router(),
-                           clients={}, client_factory=lambda url: EngineClient(url, timeout=600))
+                           clients={}, client_factory=lambda url: EngineClient(url, admin_token=settings.admin_token,
+                                                                               timeout=600))
     for name, url in parse_cells(os.environ.get("GYRE_PROXY_CELLS", "")).items():
         service.add_cell(name, url)
     ctx.app.mount("/", create_app(service, admin_token=settings.admin_token, registry=ctx.registry))

@@ -61,6 +61,8 @@ HARNESS_RULES: dict[str, HarnessRules] = {
     "openai_tools": HarnessRules("openai_tools", ("agent_id", "system_digest"), "first_seen", False),
 }
 HARNESS_RULES["generic"] = HARNESS_RULES["openai_tools"]
+# Gyre's reference harness (`gyre agent`) shapes its sub-agents and compactions as Claude Code does.
+HARNESS_RULES["gyre_agent"] = HarnessRules("gyre_agent", ("agent_id",), "unnamed", True)
 
 # Texts a Claude Code compaction carries (claude-code-forks.md); the adapter tokenises them.
 CLAUDE_CODE_SUMMARY_TEXTS = (

@@ -24,9 +24,10 @@ def harness_rules(encode: Callable[[str], Sequence[int]] | None = None) -> dict:
     recognised by its instruction tokens as well as in hindsight."""
     rules = dict(HARNESS_RULES)
     if encode is not None:
-        rules["claude_code"] = rules["claude_code"].with_markers(
-            summary=markers_from_texts(encode, CLAUDE_CODE_SUMMARY_TEXTS),
-            continuation=markers_from_texts(encode, CLAUDE_CODE_CONTINUATION_TEXTS))
+        for name in ("claude_code", "gyre_agent"):
+            rules[name] = rules[name].with_markers(
+                summary=markers_from_texts(encode, CLAUDE_CODE_SUMMARY_TEXTS),
+                continuation=markers_from_texts(encode, CLAUDE_CODE_CONTINUATION_TEXTS))
     return rules
 
 

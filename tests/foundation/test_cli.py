@@ -26,15 +26,16 @@ def test_help_lists_the_commands() -> None:
 
 
 def test_up_check_starts_the_embedded_stack_healthy(tmp_path) -> None:
-    res = gyre("up", "--check", "--run-dir", str(tmp_path / "run"), "--run-id", "smoke")
+    res = gyre("up", "--check", "--cells", "1", "--run-dir", str(tmp_path / "run"), "--run-id", "smoke", timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "projector" in res.stderr and "ok" in res.stderr
+    for name in ("projector", "proxy", "trajectory", "evaluator", "engine-c0", "cell-c0", "scheduler"):
+        assert name in res.stderr
     assert (tmp_path / "run" / "gyre.db").exists()
     assert (tmp_path / "run" / "nats").is_dir()
 
 
 def test_up_records_the_run_config_as_first_event(nats_server, tmp_path) -> None:
-    res = gyre("up", "--check", "--run-dir", str(tmp_path / "run"), "--run-id", "cfg",
+    res = gyre("up", "--check", "--cells", "0", "--run-dir", str(tmp_path / "run"), "--run-id", "cfg",
                env={"GYRE_NATS_URL": nats_server.url, "GYRE_ADMIN_TOKEN": "s3cret"})
     assert res.returncode == 0, res.stderr
     res = gyre("events", "tail", "--context", "runs", "--json", env={"GYRE_NATS_URL": nats_server.url})

@@ -68,6 +68,7 @@ async def test_auth_errors(proxy) -> None:
         (OA, oa_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]), 400,
          "not supported"),
         (RS, {"model": "m", "input": [{"type": "mystery"}]}, 400, "not supported"),
+        (RS, {"model": "m", "input": "x", "tools": [{"type": "function", "name": ""}]}, 400, "name"),
         (RS, {"model": "m", "input": "x", "previous_response_id": "resp_1"}, 400, "store: false"),
     ],
 )

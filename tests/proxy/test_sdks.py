@@ -20,8 +20,11 @@ TOOLS_AN = [{"name": "read_file", "description": "read a file",
 
 
 def script(proxy, *replies: str) -> None:
+    """The replies, in call order, whichever cell serves each call."""
+    queue = list(replies)
     for e in proxy.engines.values():
-        e.replies = list(replies)
+        e.replies = []
+        e.default_reply = lambda _input: queue.pop(0) if queue else "ok"
 
 
 async def exact(proxy) -> dict:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Iterable
 from datetime import datetime
@@ -188,7 +189,8 @@ class JetStreamBus:
                     continue
                 await self._handle_batch(config, handler, msgs)
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(Exception):  # the connection may be closing already
+                await sub.unsubscribe()
 
     async def _ensure_consumer(self, config: ConsumerConfig) -> str:
         try:
@@ -263,7 +265,8 @@ class JetStreamBus:
                     continue
                 yield RawMessage(context.stream, msg.metadata.sequence.stream, msg.subject, msg.data)
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(Exception):  # the connection may be closing already
+                await sub.unsubscribe()
 
     # -- replay ----------------------------------------------------------------
 
@@ -319,4 +322,5 @@ class JetStreamBus:
                 if seq >= end or msg.metadata.num_pending == 0:
                     return
         finally:
-            await sub.unsubscribe()
+            with contextlib.suppress(Exception):  # the connection may be closing already
+                await sub.unsubscribe()

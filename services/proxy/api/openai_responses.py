@@ -36,19 +36,31 @@ def parse(body: Any) -> ChatRequest:
             _item(item, f"input[{i}]", msgs)
     if not msgs:
         raise bad_request("'input' must not be empty", "input")
-    tools = []
-    for i, t in enumerate(body.get("tools") or []):
-        p = f"tools[{i}]"
-        t = expect(t, dict, p)
-        if t.get("type") != "function":
-            raise bad_request(f"'{p}.type' {t.get('type')!r} is not supported (function tools only)", p)
-        tools.append(tool_spec(t.get("name"), t.get("description"), t.get("parameters"), p))
+    tools = _tools(body.get("tools") or [], "tools")
     return ChatRequest(
         api="openai_responses", model=model, messages=msgs, tools=tools, tool_choice=body.get("tool_choice"),
         max_tokens=opt_int(body, "max_output_tokens", 1, 10**7), temperature=opt_number(body, "temperature", 0, 2),
         top_p=opt_number(body, "top_p", 0, 1), stream=bool(body.get("stream")),
         extra={k: body[k] for k in ("reasoning", "store", "include", "metadata") if k in body},
     )
+
+
+def _tools(raw: Any, param: str) -> list:
+    """Function tools; a ``namespace`` (Codex groups MCP tools so) contributes its function
+    tools under ``<namespace>.<name>``. Hosted tools (web search, local shell, ...) run on
+    OpenAI's side and a self-hosted policy cannot call them: they are left out of the
+    prompt, so the model never sees a tool it cannot use."""
+    out = []
+    for i, t in enumerate(expect(raw, list, param)):
+        p = f"{param}[{i}]"
+        t = expect(t, dict, p)
+        kind = t.get("type")
+        if kind == "function":
+            out.append(tool_spec(t.get("name"), t.get("description"), t.get("parameters"), p))
+        elif kind == "namespace":
+            for sub in _tools(t.get("tools") or [], f"{p}.tools"):
+                out.append(type(sub)(f"{t.get('name', 'ns')}.{sub.name}", sub.description, sub.parameters))
+    return out
 
 
 def _item(item: Any, p: str, msgs: list[Msg]) -> None:

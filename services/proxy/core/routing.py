@@ -13,6 +13,8 @@ on their next call.
     'a'
     >>> r.begin("a"); r.pick("s2")          # a is busier now
     'b'
+    >>> r.end("a"); r.pick("s3")            # a tie on load: the cell with fewer sessions
+    'a'
     >>> r.drain("a"); r.pick("s1")          # s1 leaves a draining cell
     'b'
 """
@@ -91,7 +93,11 @@ class Router:
         candidates = [c for c in self.cells.values() if c.state is CellState.ACTIVE and c.name not in exclude]
         if not candidates:
             raise NoCellAvailable("no active inference cell")
-        best = min(candidates, key=lambda c: (c.load, c.in_flight, c.name))
+        pinned: dict[str, int] = {}
+        for cell_name in self.sessions.values():
+            pinned[cell_name] = pinned.get(cell_name, 0) + 1
+        # least busy now; on a tie, the cell holding fewer sessions (their KV caches)
+        best = min(candidates, key=lambda c: (c.load, pinned.get(c.name, 0) / max(c.capacity, 1), c.name))
         self.sessions[session] = best.name
         return best.name
 

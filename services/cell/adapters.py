@@ -1,0 +1,103 @@
+"""What a cell agent drives: the proxy (drain, evacuate, activate), its inference engine
+(release/resume memory), and its training seat (join/leave)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import httpx
+
+
+class ProxyControl:
+    """The proxy's admin endpoints."""
+
+    def __init__(self, url: str, admin_token: str | None, *, timeout_s: float = 120.0) -> None:
+        self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s,
+                                       headers={"Authorization": f"Bearer {admin_token}"} if admin_token else {})
+
+    async def _post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
+        r = await self._http.post(path, json=body)
+        if r.status_code >= 400:
+            raise RuntimeError(f"proxy {path}: {r.status_code} {r.text[:300]}")
+        return r.json()
+
+    async def add(self, cell: str, url: str, capacity: int) -> None:
+        await self._post("/admin/cells", {"name": cell, "url": url, "capacity": capacity})
+
+    async def evacuate(self, cell: str, *, timeout_s: float = 30.0, migrate: bool = True) -> dict[str, Any]:
+        return await self._post(f"/admin/cells/{cell}/evacuate", {"timeout_s": timeout_s, "migrate": migrate})
+
+    async def activate(self, cell: str) -> None:
+        await self._post(f"/admin/cells/{cell}/activate", {})
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+
+class EngineControl:
+    """The cell's inference engine (embedded engine or SGLang), through SGLang's API."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+
+    async def release(self) -> None:
+        await self.client.release_memory(None)
+
+    async def resume(self) -> None:
+        await self.client.resume_memory(None)
+
+    async def weight_version(self) -> int:
+        info = await self.client.model_info()
+        try:
+            return int(info.get("weight_version", 0))
+        except (TypeError, ValueError):
+            return 0
+
+
+class TrainingSeat(Protocol):
+    """The cell's place in training: a trainer replica (core or satellite)."""
+
+    async def join(self, weight_version: int) -> None: ...
+
+    async def leave(self) -> None: ...
+
+
+@dataclass
+class WeightsSeat:
+    """Joins training by loading the current policy weights into a trainable model in
+    this process (what a satellite must do before it can claim micro-steps); leaves by
+    freeing them. The trainer service (issue 6) builds its replicas on this step."""
+
+    model_folder: Path
+    model: Any = None
+    load_s: float = 0.0
+
+    async def prepare(self) -> None:
+        """At agent start (not during a switch): import the model code once, as any
+        long-lived trainer process has."""
+        await asyncio.to_thread(self._import)
+
+    @staticmethod
+    def _import() -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+
+    async def join(self, weight_version: int) -> None:
+        start = time.monotonic()
+        self.model = await asyncio.to_thread(self._load)
+        self.load_s = time.monotonic() - start
+
+    def _load(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(self.model_folder))
+        model.train()
+        return model
+
+    async def leave(self) -> None:
+        self.model = None
+        gc.collect()

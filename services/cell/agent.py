@@ -1,0 +1,143 @@
+"""The cell agent: one per cell; carries out the scheduler's switch commands.
+
+Each phase is announced (``SwitchPhaseEntered``), timed, and the switch ends in exactly
+one ``SwitchCompleted`` or ``SwitchFailed`` (with the phase, the reason, and the safe role
+the cell was rolled back to). Commands arrive as NATS requests on
+``gyre.<run>.cmd.cells.<cell>`` (``{"op": "switch", "to_role": "training"}``) and are
+answered with the outcome, so every command is also an event in the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any
+
+from libs.common.events import CellRegistered, SwitchCompleted, SwitchFailed, SwitchPhaseEntered
+
+from .adapters import EngineControl, ProxyControl, TrainingSeat
+from .core import SwitchRecord, SwitchRefused, plan
+
+log = logging.getLogger(__name__)
+
+
+def command_subject(run_id: str, cell: str) -> str:
+    return f"gyre.{run_id}.cmd.cells.{cell}"
+
+
+class CellAgent:
+    def __init__(self, *, name: str, run_id: str, bus: Any, proxy: ProxyControl, engine: EngineControl,
+                 seat: TrainingSeat, engine_url: str, capacity: int = 8, is_core: bool = False,
+                 role: str = "inference") -> None:
+        self.name, self.run_id, self.bus = name, run_id, bus
+        self.proxy, self.engine, self.seat = proxy, engine, seat
+        self.engine_url, self.capacity, self.is_core = engine_url, capacity, is_core
+        self.role = role
+        self._lock = asyncio.Lock()
+        self.last: SwitchRecord | None = None
+        self.last_evacuation: dict[str, Any] | None = None
+
+    async def register(self) -> None:
+        prepare = getattr(self.seat, "prepare", None)
+        if prepare is not None:
+            await prepare()
+        if self.role == "inference":
+            await self.proxy.add(self.name, self.engine_url, self.capacity)
+        await self.bus.publish(CellRegistered(run_id=self.run_id, cell=self.name, role=self.role,
+                                              is_core=self.is_core, capacity=self.capacity))
+
+    async def switch(self, to_role: str, *, causation_id: str | None = None) -> SwitchRecord:
+        async with self._lock:  # one switch at a time
+            rec = SwitchRecord(self.name, self.role, to_role)
+            try:
+                phases = plan(self.role, to_role)
+            except SwitchRefused as exc:
+                rec.failed_phase, rec.reason = "refused", str(exc)
+                await self._finish(rec, causation_id)
+                return rec
+            for phase in phases:
+                await self.bus.publish(SwitchPhaseEntered(run_id=self.run_id, cell=self.name, phase=phase,
+                                                          causation_id=causation_id))
+                start = time.monotonic()
+                try:
+                    await self._run_phase(phase)
+                except Exception as exc:
+                    rec.timings[phase] = time.monotonic() - start
+                    rec.failed_phase, rec.reason = phase, repr(exc)
+                    await self._roll_back(rec)
+                    break
+                rec.timings[phase] = time.monotonic() - start
+            self.role = rec.role_now
+            await self._finish(rec, causation_id)
+            self.last = rec
+            return rec
+
+    async def _run_phase(self, phase: str) -> None:
+        if phase == "draining":
+            return  # the proxy drains inside evacuate (one call: drain, wait, move)
+        if phase == "migrating":
+            result = await self.proxy.evacuate(self.name)
+            self.last_evacuation = result
+            if not result.get("drained", True):
+                raise RuntimeError(f"{result.get('in_flight')} calls still in flight after the drain timeout")
+        elif phase == "releasing":
+            await self.engine.release()
+        elif phase == "joining":
+            await self.seat.join(await self._weight_version_safe())
+        elif phase == "leaving":
+            await self.seat.leave()
+        elif phase == "resuming":
+            await self.engine.resume()
+            await self.proxy.activate(self.name)
+
+    async def _weight_version_safe(self) -> int:
+        try:
+            return await self.engine.weight_version()
+        except Exception:  # released engines may not answer model_info: the seat pulls the newest
+            return 0
+
+    async def _roll_back(self, rec: SwitchRecord) -> None:
+        if rec.role_now != "inference" or rec.from_role != "inference":
+            return
+        for step in (self.seat.leave, self.engine.resume, lambda: self.proxy.activate(self.name)):
+            try:
+                await step()
+            except Exception as exc:  # keep going: the record says what failed first
+                log.error("cell %s: rollback step failed: %r", self.name, exc)
+
+    async def _finish(self, rec: SwitchRecord, causation_id: str | None) -> None:
+        version = await self._weight_version_safe() if rec.role_now == "inference" else 0
+        if rec.ok:
+            ev: Any = SwitchCompleted(run_id=self.run_id, cell=self.name, role=rec.role_now,
+                                      phase_timings=rec.timings, weight_version=version, causation_id=causation_id)
+        else:
+            ev = SwitchFailed(run_id=self.run_id, cell=self.name, role=rec.role_now, phase=rec.failed_phase or "?",
+                              reason=rec.reason or "unknown", causation_id=causation_id)
+        await self.bus.publish(ev)
+
+    # -- command channel -----------------------------------------------------------------
+
+    async def serve_commands(self, nc: Any) -> Any:
+        async def on_request(msg: Any) -> None:
+            try:
+                cmd = json.loads(msg.data)
+                if cmd.get("op") != "switch" or cmd.get("to_role") not in ("inference", "training"):
+                    raise ValueError("expected {'op': 'switch', 'to_role': 'inference'|'training'}")
+                rec = await self.switch(cmd["to_role"], causation_id=cmd.get("causation_id"))
+                answer = {"ok": rec.ok, "role": rec.role_now, "timings": rec.timings, "reason": rec.reason,
+                          "failed_phase": rec.failed_phase}
+            except Exception as exc:
+                answer = {"ok": False, "role": self.role, "reason": str(exc)}
+            await msg.respond(json.dumps(answer).encode())
+
+        return await nc.subscribe(command_subject(self.run_id, self.name), cb=on_request)
+
+
+async def request_switch(nc: Any, run_id: str, cell: str, to_role: str, *, causation_id: str | None = None,
+                         timeout_s: float = 300.0) -> dict[str, Any]:
+    """What the scheduler sends; returns the cell's answer."""
+    body = json.dumps({"op": "switch", "to_role": to_role, "causation_id": causation_id}).encode()
+    msg = await nc.request(command_subject(run_id, cell), body, timeout=timeout_s)
+    return json.loads(msg.data)

@@ -1,0 +1,196 @@
+"""KV migration through the transfer port (Mooncake / UCX), beside the HTTP blob path.
+
+Routes (admin token like the other control endpoints):
+
+- ``POST /gyre/kv/port/offer {"input_ids", "checksums"?}``: exports the cached prefix of
+  ``input_ids`` into registered memory and answers its transfer descriptor (JSON;
+  ``meta.token_ids`` are the matched ids, empty when nothing is cached).
+- ``POST /gyre/kv/port/fetch {"offer", "verify"?, "timeout_s"?}``: pulls an offer from
+  another cell and, once every block arrived (and verified), imports it into this cell's
+  prefix cache; refuses KV of another weight version or shape before moving a byte.
+- ``POST /gyre/kv/port/release {"lease"}``: the source drops an offer (offers also expire
+  after ``OFFER_TTL_S``).
+
+The agent is this process's embedded default (``libs.common.transfer.default``), opened
+on first use. ``attach(service)`` adds the routes to a built engine service;
+``http_app.create_app`` should call ``add_routes`` (see the transfer report).
+:class:`PortCellClient` is the scheduler's handle on a cell for
+``libs.common.transfer.kv.migrate_session``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any
+
+import httpx
+from fastapi import Depends, FastAPI, Request
+
+from libs.common.transfer.kv import fetch_kv, offer_kv, release_kv
+from libs.common.transfer.port import PeerDescriptor, TransferAgent
+
+from .client import CellError, EngineClient
+from .engine import Engine
+from .params import InvalidRequest
+
+OFFER_TTL_S = 300.0
+
+
+class KVPort:
+    """One engine's side of port migration: its agent and its open offers."""
+
+    def __init__(self, engine: Engine, agent: TransferAgent | None = None) -> None:
+        self.engine = engine
+        self._agent = agent
+        self._offers: dict[str, float] = {}  # lease -> expiry (monotonic)
+        self._lock = threading.Lock()
+
+    @property
+    def agent(self) -> TransferAgent:
+        with self._lock:
+            if self._agent is None:
+                from libs.common.transfer.weights import default_agent
+
+                self._agent = default_agent()
+            return self._agent
+
+    async def offer(self, input_ids: list[int], checksums: bool = False) -> dict[str, Any]:
+        self._expire()
+        engine = self.engine
+        matched, kv = await engine.acall(lambda: engine.prefix_cache.export(input_ids))
+        if matched == 0:
+            return PeerDescriptor(self.agent.backend, self.agent.endpoint,
+                                  meta={"kind": "kv", "lease": None, "token_ids": []}).to_json()
+        desc = await asyncio.to_thread(offer_kv, self.agent, kv, input_ids[:matched],
+                                       weight_version=engine.weight_version, checksums=checksums)
+        with self._lock:
+            self._offers[desc.meta["lease"]] = time.monotonic() + OFFER_TTL_S
+        return desc.to_json()
+
+    async def fetch(self, offer: dict[str, Any], verify: bool | None = None, timeout_s: float = 60.0) -> dict:
+        peer = PeerDescriptor.from_json(offer)
+        ids = [int(t) for t in peer.meta.get("token_ids", [])]
+        if not ids:
+            return {"success": True, "added_tokens": 0, "tokens": 0, "bytes": 0, "backend": peer.backend}
+        self._check(peer)
+        started = time.perf_counter()
+        ids, kv = await asyncio.to_thread(fetch_kv, self.agent, peer, verify=verify, timeout_s=timeout_s)
+        moved = time.perf_counter() - started
+        engine = self.engine
+
+        def apply() -> int:
+            if engine.weight_version != peer.meta.get("weight_version"):  # an update landed meanwhile
+                raise InvalidRequest("weight version changed during the transfer; KV not imported")
+            try:
+                return engine.prefix_cache.import_(ids, kv)
+            except ValueError as exc:
+                raise InvalidRequest(str(exc)) from None
+
+        added = await engine.acall(apply)
+        return {"success": True, "added_tokens": added, "tokens": len(ids), "bytes": kv.numel() * 4,
+                "backend": peer.backend, "transfer_s": moved}
+
+    def release(self, lease: str) -> bool:
+        with self._lock:
+            self._offers.pop(lease, None)
+        return release_kv(self.agent, lease)
+
+    def _check(self, peer: PeerDescriptor) -> None:
+        meta, engine = peer.meta, self.engine
+        if peer.backend != self.agent.backend:
+            raise InvalidRequest(f"offer is on {peer.backend}, this cell's transfer agent is {self.agent.backend}")
+        if meta.get("weight_version") != engine.weight_version:
+            raise InvalidRequest(f"KV is from weight version {meta.get('weight_version')!r}, "
+                                 f"this cell runs {engine.weight_version!r}")
+        s = engine.runner.shape
+        expected = [s.layers, 2, s.kv_heads, len(meta["token_ids"]), s.head_dim]
+        if list(meta.get("shape", [])) != expected or meta.get("dtype") != "float32":
+            raise InvalidRequest(f"KV must be float32 {expected}, offer is {meta.get('dtype')} {meta.get('shape')}")
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            stale = [lease for lease, until in self._offers.items() if until < now]
+        for lease in stale:
+            self.release(lease)
+
+
+def add_routes(app: FastAPI, port: KVPort, admin) -> None:
+    @app.post("/gyre/kv/port/offer", dependencies=[admin])
+    async def kv_port_offer(request: Request) -> dict:
+        body = await request.json()
+        ids = body.get("input_ids") if isinstance(body, dict) else None
+        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+            raise InvalidRequest("input_ids must be a list of token ids")
+        return await port.offer(ids, bool(body.get("checksums", False)))
+
+    @app.post("/gyre/kv/port/fetch", dependencies=[admin])
+    async def kv_port_fetch(request: Request) -> dict:
+        body = await request.json()
+        if not isinstance(body, dict) or not isinstance(body.get("offer"), dict):
+            raise InvalidRequest("offer must be a transfer descriptor")
+        try:
+            return await port.fetch(body["offer"], body.get("verify"), float(body.get("timeout_s", 60.0)))
+        except InvalidRequest:
+            raise
+        except Exception as exc:  # TransferFailed, ChecksumMismatch, timeouts: nothing was imported
+            raise InvalidRequest(f"kv transfer failed, nothing imported: {type(exc).__name__}: {exc}") from None
+
+    @app.post("/gyre/kv/port/release", dependencies=[admin])
+    async def kv_port_release(request: Request) -> dict:
+        body = await request.json()
+        return {"success": port.release(str(body.get("lease")))}
+
+
+def attach(service, agent: TransferAgent | None = None) -> KVPort:
+    """Adds the port routes to a built ``main.EngineService`` (until ``create_app`` does it)."""
+    from .http_app import _admin_guard
+
+    port = KVPort(service.engine, agent)
+    add_routes(service.app, port, Depends(_admin_guard(service.settings)))
+    service.kv_port = port
+    return port
+
+
+class PortCellClient:
+    """One cell as ``migrate_session`` sees it: port routes plus the HTTP export/import fallback."""
+
+    def __init__(self, name: str, base_url: str, *, admin_token: str | None = None, timeout: float = 600.0,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.name = name
+        self.engine = EngineClient(base_url, admin_token=admin_token, timeout=timeout, transport=transport)
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+        await self.engine.aclose()
+
+    async def generate(self, input_ids: list[int], sampling_params: dict | None = None) -> dict:
+        return await self.engine.generate(input_ids, sampling_params)
+
+    async def flush_cache(self) -> None:
+        await self.engine.flush_cache()
+
+    async def kv_offer(self, input_ids: list[int], *, checksums: bool = False) -> dict[str, Any]:
+        return await self._post("/gyre/kv/port/offer", {"input_ids": input_ids, "checksums": checksums})
+
+    async def kv_fetch(self, offer: dict[str, Any], *, verify: bool | None = None, timeout_s: float = 60.0) -> dict:
+        return await self._post("/gyre/kv/port/fetch", {"offer": offer, "verify": verify, "timeout_s": timeout_s})
+
+    async def kv_release(self, lease: str) -> None:
+        await self._post("/gyre/kv/port/release", {"lease": lease})
+
+    async def kv_export(self, input_ids: list[int]) -> bytes:
+        return await self.engine.kv_export(input_ids)
+
+    async def kv_import(self, blob: bytes) -> dict:
+        return await self.engine.kv_import(blob)
+
+    async def _post(self, path: str, body: dict) -> Any:
+        response = await self._http.post(path, json=body)
+        if response.status_code >= 400:
+            raise CellError(response.status_code, response.text)
+        return response.json()

@@ -1,0 +1,103 @@
+"""Moving live sessions off a cell: the proxy's half of a role switch.
+
+``evacuate(service, cell)``: the cell takes no new sessions (drain), calls in flight
+finish there (bounded wait), then every session pinned to it moves to the least-loaded
+active cell. With ``migrate`` the session's cached prefix (its newest call's input and
+output ids) is exported from the old cell's KV cache and imported into the new one, so
+the session's next call computes only its new tokens; if that fails, the session is
+re-prefilled (its next call recomputes the prefix). Either way one ``SessionRerouted``
+records the move. A ``KvMover`` can carry the blocks another way (the transfer port);
+the default goes through the engines' HTTP export/import.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from libs.common.events import SessionRerouted
+
+log = logging.getLogger(__name__)
+
+
+class KvMover(Protocol):
+    async def move(self, source: Any, target: Any, input_ids: list[int]) -> int:
+        """Copy the cached prefix of ``input_ids`` from source to target; tokens moved."""
+
+
+class HttpKvMover:
+    """Export from the source engine, import into the target (Gyre's engine extension)."""
+
+    async def move(self, source: Any, target: Any, input_ids: list[int]) -> int:
+        blob = await source.kv_export(input_ids)
+        answer = await target.kv_import(blob)
+        return int(answer.get("added_tokens", 0) or 0)
+
+
+@dataclass
+class MoveResult:
+    session: str
+    to_cell: str
+    kv: str  # migrated | reprefilled
+    tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class Evacuation:
+    cell: str
+    drained: bool
+    in_flight: int
+    seconds: float
+    moves: list[MoveResult] = field(default_factory=list)
+
+
+def session_tokens(service: Any, session: str) -> list[int] | None:
+    """Input + output ids of the newest recorded call of ``session`` (None if unknown)."""
+    rollout = session.split("/", 1)[0]
+    st = service.book.states.get(rollout)
+    if st is None:
+        return None
+    calls = [c for c, s in st.call_session.items() if s == session and c in st.tito.calls]
+    if not calls:
+        return None
+    return st.tito.full_ids(calls[-1]).tolist()
+
+
+async def evacuate(service: Any, cell: str, *, timeout_s: float = 30.0, migrate: bool = True,
+                   mover: KvMover | None = None) -> Evacuation:
+    router = service.router
+    start = time.monotonic()
+    router.drain(cell)
+    deadline = start + timeout_s
+    while router.cells[cell].in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    out = Evacuation(cell, router.cells[cell].in_flight == 0, router.cells[cell].in_flight, 0.0)
+    mover = mover or HttpKvMover()
+    for session in router.sessions_on(cell):
+        out.moves.append(await _move_one(service, session, cell, migrate, mover))
+    out.seconds = time.monotonic() - start
+    return out
+
+
+async def _move_one(service: Any, session: str, cell: str, migrate: bool, mover: KvMover) -> MoveResult:
+    router = service.router
+    router.sessions.pop(session, None)
+    target = router.pick(session)  # least-loaded active cell; pins the session there
+    result = MoveResult(session, target, "reprefilled")
+    ids = session_tokens(service, session) if migrate else None
+    if ids:
+        try:
+            result.tokens = await mover.move(service.clients[cell], service.clients[target], ids)
+            result.kv = "migrated"
+        except Exception as exc:  # the next call re-prefills: slower, never wrong
+            result.error = repr(exc)
+            log.warning("KV migration of %s from %s to %s failed: %r", session, cell, target, exc)
+    await service.bus.publish(SessionRerouted(
+        run_id=service.config.run_id, session_id=session, from_cell=cell, to_cell=target,
+        reason="cell switching to training" if migrate else "cell drained", kv=result.kv,
+        migrated_tokens=result.tokens))
+    return result

@@ -1,0 +1,1 @@
+"""Side effects of the runner: workspaces, harness processes, snapshots."""

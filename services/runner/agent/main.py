@@ -1,0 +1,72 @@
+"""``gyre agent``: the reference harness. A black box to the rest of Gyre: it reads its
+task, talks to a model only through the OpenAI Chat Completions or the Anthropic
+Messages API, works in its workspace, and prints one JSON line of statistics at the end.
+
+    gyre agent --api openai --workspace WS --prompt-file TASK.md [--base-url URL] [--model NAME]
+
+The base URL and key default to ``GYRE_BASE_URL`` / ``GYRE_API_KEY`` (else the
+``OPENAI_*`` or ``ANTHROPIC_*`` variables), which the rollout runner sets.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .loop import AgentConfig, run_agent
+from .tools import ToolLimits, Workspace
+from .wire import HttpModelApi
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gyre agent", description="Gyre's reference agent harness")
+    p.add_argument("--api", choices=("openai", "anthropic"), default="openai")
+    p.add_argument("--workspace", type=Path, default=Path.cwd())
+    task = p.add_mutually_exclusive_group(required=True)
+    task.add_argument("--prompt-file", type=Path)
+    task.add_argument("--prompt")
+    p.add_argument("--base-url", default=None)
+    p.add_argument("--model", default="policy")
+    p.add_argument("--max-turns", type=int, default=40)
+    p.add_argument("--max-sub-turns", type=int, default=12)
+    p.add_argument("--max-calls", type=int, default=200)
+    p.add_argument("--max-retries", type=int, default=2)
+    p.add_argument("--context-budget", type=int, default=6000, help="tokens of one call that trigger compaction")
+    p.add_argument("--max-depth", type=int, default=1, help="sub-agent nesting (0: no Agent tool)")
+    p.add_argument("--max-tokens", type=int, default=512, help="output tokens per call")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--run-timeout", type=float, default=30.0, help="default seconds for one command")
+    p.add_argument("--http-timeout", type=float, default=300.0)
+    return p
+
+
+def _endpoint(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    env = os.environ
+    base = args.base_url or env.get("GYRE_BASE_URL")
+    if not base and args.api == "anthropic":
+        base = env.get("ANTHROPIC_BASE_URL")
+    if not base and env.get("OPENAI_BASE_URL"):
+        base = env["OPENAI_BASE_URL"].rstrip("/").removesuffix("/v1")
+    key = env.get("GYRE_API_KEY") or env.get("ANTHROPIC_API_KEY" if args.api == "anthropic" else "OPENAI_API_KEY")
+    return base, key
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    base, key = _endpoint(args)
+    if not base or not key:
+        print("gyre agent: no base URL or API key (set GYRE_BASE_URL and GYRE_API_KEY)", file=sys.stderr)
+        return 2
+    prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
+    config = AgentConfig(max_turns=args.max_turns, max_sub_turns=args.max_sub_turns, max_calls=args.max_calls,
+                         max_retries=args.max_retries, context_budget=args.context_budget, max_depth=args.max_depth)
+    api = HttpModelApi(args.api, base, key, args.model, max_tokens=args.max_tokens, temperature=args.temperature,
+                       timeout_s=args.http_timeout)
+    workspace = Workspace(args.workspace, ToolLimits(run_timeout_s=args.run_timeout))
+    try:
+        _, _, status = run_agent(api, workspace, prompt, config)
+    finally:
+        api.close()
+    return status

@@ -1,0 +1,174 @@
+"""The rollout runner: for the tasks of a step, run ``group_size`` harnesses per task.
+
+Per rollout (the lifecycle itself is ``core``; this module only carries out its effects):
+prepare the workspace, publish ``RolloutStarted`` (so the proxy accepts the rollout's
+key) *before* the harness starts, run the harness under the task's time limit (on
+timeout its whole process group is killed: the rollout is partial, not failed), snapshot
+the workspace into the blob store, publish ``RolloutFinished`` / ``RolloutTimedOut``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import secrets
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from libs.common.bus.port import BlobStore, EventBus
+
+from . import core
+from .adapters import workspace
+from .adapters.process import HarnessProcess, launch
+from .adapters.snapshot import SnapshotTooLarge, snapshot_workspace
+from .harness import HarnessConfig, gyre_agent, render
+from .tasks import Task
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    run_id: str
+    proxy_url: str  # the proxy's root; each rollout gets <proxy_url>/r/<rollout_id>
+    work_root: Path
+    harness: HarnessConfig = field(default_factory=gyre_agent)
+    model: str = "policy"
+    max_parallel: int = 4
+    max_turns: int = 40
+    kill_grace_s: float = 2.0
+    time_limit_scale: float = 1.0  # multiplies each task's time limit
+    keep_workspaces: bool = False
+    snapshot_max_bytes: int = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class RolloutOutcome:
+    rollout_id: str
+    task_id: str
+    group_id: str
+    status: Literal["finished", "timed_out"]
+    exit_status: int | None
+    wall_time_s: float
+    snapshot_digest: str | None
+    log_tail: str = ""
+
+
+def group_id_for(step: int, task_id: str) -> str:
+    return f"s{step}-{task_id}"
+
+
+def new_rollout_id(step: int, task_id: str, index: int) -> str:
+    return f"s{step}-{task_id}-{index}-{uuid.uuid4().hex[:8]}"
+
+
+class RolloutRunner:
+    def __init__(self, config: RunnerConfig, *, bus: EventBus, blobs: BlobStore,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.config = config
+        self.bus = bus
+        self.blobs = blobs
+        self.clock = clock
+        self._slots = asyncio.Semaphore(config.max_parallel)
+        self.running: dict[str, core.RolloutState] = {}
+
+    async def run_step(self, step: int, tasks: list[Task], group_size: int, *, weight_version: int = 0,
+                       harness: HarnessConfig | None = None) -> list[RolloutOutcome]:
+        """Run every task ``group_size`` times; returns when all rollouts have ended."""
+        jobs = [self.run_rollout(step, task, i, group_size, weight_version=weight_version, harness=harness)
+                for task in tasks for i in range(group_size)]
+        return list(await asyncio.gather(*jobs))
+
+    async def run_rollout(self, step: int, task: Task, index: int, group_size: int | None, *,
+                          weight_version: int = 0, harness: HarnessConfig | None = None) -> RolloutOutcome:
+        harness = harness or self.config.harness
+        rollout_id = new_rollout_id(step, task.task_id, index)
+        api_key = "gyre-" + secrets.token_urlsafe(24)
+        plan = core.RolloutPlan(
+            run_id=self.config.run_id, rollout_id=rollout_id, task_id=task.task_id,
+            group_id=group_id_for(step, task.task_id), step=step, harness=harness.name,
+            weight_version=weight_version, api_key_digest=hashlib.sha256(api_key.encode()).hexdigest(),
+            time_limit_s=task.time_limit_s * self.config.time_limit_scale, group_size=group_size)
+        async with self._slots:
+            dirs = await asyncio.to_thread(workspace.prepare, self.config.work_root, rollout_id, task.files_dir,
+                                           task.prompt)
+            try:
+                state = await self._lifecycle(core.planned(plan), dirs, harness, api_key, task)
+            finally:
+                self.running.pop(rollout_id, None)
+            outcome = _outcome(state, workspace.log_tail(dirs))
+            if not self.config.keep_workspaces:
+                await asyncio.to_thread(workspace.remove, dirs)
+        return outcome
+
+    async def _apply(self, state: core.RolloutState, command: core.Command,
+                     proc: HarnessProcess | None = None) -> core.RolloutState:
+        new, effects = core.step(state, command)
+        self.running[state.plan.rollout_id] = new
+        for effect in effects:
+            if isinstance(effect, core.Publish):
+                await self.bus.publish(effect.event)
+            elif isinstance(effect, core.KillGroup) and proc is not None:
+                status = await proc.kill_group(self.config.kill_grace_s)
+                new = core.evolve(new, core.Exited(status, self.clock()))
+        return new
+
+    async def _lifecycle(self, state: core.RolloutState, dirs: workspace.RolloutDirs, harness: HarnessConfig,
+                         api_key: str, task: Task) -> core.RolloutState:
+        state = await self._apply(state, core.Register(self.clock()))
+        proc: HarnessProcess | None = None
+        try:
+            proc = await self._launch(state.plan, dirs, harness, api_key, task)
+        except (OSError, ValueError, KeyError) as exc:
+            log.warning("rollout %s: harness %s did not start: %s", state.plan.rollout_id, harness.name, exc)
+            with dirs.log_file.open("a") as f:
+                f.write(f"gyre runner: harness did not start: {exc}\n")
+            state = await self._apply(state, core.LaunchFailed(self.clock(), str(exc)))
+        try:
+            if proc is not None:
+                state = await self._apply(state, core.Launched(self.clock()))
+                status = await proc.wait(state.deadline - self.clock())
+                if status is None:
+                    state = await self._apply(state, core.DeadlinePassed(self.clock()), proc)
+                else:
+                    proc.reap_group()
+                    state = await self._apply(state, core.Exited(status, self.clock()))
+        finally:
+            if proc is not None and proc.proc.returncode is None:  # cancelled: leave nothing running
+                await proc.kill_group(0.1)
+        digest = await self._snapshot(dirs)
+        return await self._apply(state, core.Snapshotted(digest, self.clock()))
+
+    async def _launch(self, plan: core.RolloutPlan, dirs: workspace.RolloutDirs, harness: HarnessConfig,
+                      api_key: str, task: Task) -> HarnessProcess:
+        base_url = f"{self.config.proxy_url.rstrip('/')}/r/{plan.rollout_id}"
+        values = {"workspace": str(dirs.workspace), "home": str(dirs.home), "prompt_file": str(dirs.prompt_file),
+                  "prompt": task.prompt, "base_url": base_url, "openai_base_url": base_url + "/v1",
+                  "model": self.config.model, "rollout_id": plan.rollout_id,
+                  "max_turns": str(task.max_turns or self.config.max_turns)}
+        rendered = render(harness, values, api_key)
+        for path, text in rendered.files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        return await launch(rendered.argv, cwd=dirs.workspace, env=rendered.env, log_file=dirs.log_file)
+
+    async def _snapshot(self, dirs: workspace.RolloutDirs) -> str | None:
+        try:
+            data = await asyncio.to_thread(snapshot_workspace, dirs.workspace, max_bytes=self.config.snapshot_max_bytes)
+        except (OSError, SnapshotTooLarge) as exc:
+            log.warning("snapshot of %s failed: %s", dirs.root.name, exc)
+            return None
+        return await self.blobs.put(data)
+
+
+def _outcome(state: core.RolloutState, tail: str) -> RolloutOutcome:
+    plan = state.plan
+    return RolloutOutcome(rollout_id=plan.rollout_id, task_id=plan.task_id, group_id=plan.group_id,
+                          status="timed_out" if state.timed_out else "finished", exit_status=state.exit_status,
+                          wall_time_s=round(core.wall_time(state), 3), snapshot_digest=state.snapshot_digest,
+                          log_tail=tail)

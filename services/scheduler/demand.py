@@ -1,0 +1,53 @@
+"""What the live scheduler knows of demand and training work, from the log (pure).
+
+Fed with events from the rollouts, trees and training streams; read as the fields of a
+``core.Tick`` (the proxy adds the calls in flight per cell).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from libs.common.events import (
+    Event, MicroStepClaimed, MicroStepDone, MicroStepQueued, RolloutFinished, RolloutStarted, RolloutTimedOut,
+    StepApplied,
+)
+
+
+@dataclass
+class Demand:
+    running_rollouts: set[str] = field(default_factory=set)
+    queued: dict[str, int] = field(default_factory=dict)  # micro-step -> step
+    claimed: dict[str, str] = field(default_factory=dict)  # micro-step -> cell
+    done: dict[str, int] = field(default_factory=dict)  # micro-step -> step
+    applied_steps: set[int] = field(default_factory=set)
+
+    def apply(self, ev: Event) -> None:
+        if isinstance(ev, RolloutStarted):
+            self.running_rollouts.add(ev.rollout_id)
+        elif isinstance(ev, (RolloutFinished, RolloutTimedOut)):
+            self.running_rollouts.discard(ev.rollout_id)
+        elif isinstance(ev, MicroStepQueued):
+            self.queued[ev.micro_step] = ev.step
+        elif isinstance(ev, MicroStepClaimed):
+            self.claimed[ev.micro_step] = ev.cell
+        elif isinstance(ev, MicroStepDone):
+            self.claimed.pop(ev.micro_step, None)
+            self.done[ev.micro_step] = ev.step
+        elif isinstance(ev, StepApplied):
+            self.applied_steps.add(ev.step)
+
+    @property
+    def backlog(self) -> int:
+        """Micro-steps queued and neither claimed nor done (claimable now)."""
+        return sum(1 for m, step in self.queued.items()
+                   if m not in self.claimed and m not in self.done and step not in self.applied_steps)
+
+    @property
+    def update_pending(self) -> bool:
+        steps = {s for s in self.queued.values() if s not in self.applied_steps}
+        return any(all(m in self.done for m, s in self.queued.items() if s == step) for step in steps)
+
+    @property
+    def busy_trainers(self) -> frozenset[str]:
+        return frozenset(self.claimed.values())

@@ -1,0 +1,133 @@
+"""The live scheduler: the pure policy (``core``) wired to the log, the proxy and the cells.
+
+On start it rebuilds its state from the cells stream. Then every ``tick_s`` it reads the
+demand (calls in flight from the proxy, unfinished rollouts and training work from the
+log), runs ``decide``, appends the resulting events (``WaterLevelSampled``,
+``SwitchRequested``) and sends each switch to its cell agent as a NATS request. The
+cells' own events (``CellRegistered``, ``SwitchPhaseEntered``, ``SwitchCompleted``,
+``SwitchFailed``) come back through the log and move the state on; events this process
+wrote are not applied twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from libs.common.bus.port import EventBus
+from libs.common.events import Context, EventDecodeError, decode
+
+from .core import SchedulerState, Tick, decide, evolve
+from .core.facts import PhaseReached, SwitchStarted
+from .core.translate import from_event, to_event
+from .demand import Demand
+
+log = logging.getLogger(__name__)
+
+ProxyStats = Callable[[], Awaitable[dict[str, Any]]]
+SendSwitch = Callable[[str, str, str], Awaitable[dict[str, Any]]]  # cell, to_role, causation id
+
+
+class LiveScheduler:
+    def __init__(self, *, run_id: str, bus: EventBus, policy: Any, proxy_stats: ProxyStats, send_switch: SendSwitch,
+                 tick_s: float = 2.0, clock: Callable[[], float] = time.time) -> None:
+        self.run_id, self.bus, self.policy = run_id, bus, policy
+        self.proxy_stats, self.send_switch = proxy_stats, send_switch
+        self.tick_s, self.clock = tick_s, clock
+        self.state = SchedulerState()
+        self.demand = Demand()
+        self._mine: set[str] = set()  # ids of events this process appended
+        self._tasks: set[asyncio.Task] = set()
+        self.switch_answers: list[dict[str, Any]] = []
+
+    def _apply(self, data: bytes) -> None:
+        try:
+            ev = decode(data)
+        except EventDecodeError:
+            return
+        if ev.run_id != self.run_id or ev.event_id in self._mine:
+            return
+        self.demand.apply(ev)
+        if ev.CONTEXT is not Context.CELLS:
+            return
+        try:
+            fact = from_event(ev)
+            if fact is None or self._repeats_phase(fact):
+                return
+            self.state = evolve(self.state, fact)
+        except ValueError as exc:  # IllegalTransition or a phase name the core does not know
+            log.error("scheduler: cannot apply %s: %s", ev.TYPE, exc)
+
+    def _repeats_phase(self, fact: Any) -> bool:
+        """A cell announces the first phase of a switch that the request already entered."""
+        if not isinstance(fact, PhaseReached):
+            return False
+        known = {c.name: c for c in self.state.cells}.get(fact.cell)
+        return known is not None and known.phase is fact.phase
+
+    async def _follow(self, context: Context, stop: asyncio.Event) -> None:
+        follow = self.bus.follow(context, filter_subject=f"gyre.{self.run_id}.{context.value}.>", idle_s=0.2)
+        try:
+            async for raw in follow:
+                if raw is not None:
+                    self._apply(raw.data)
+                if stop.is_set():
+                    return
+        finally:
+            await follow.aclose()
+
+    async def tick(self) -> list[Any]:
+        stats = await self.proxy_stats()
+        cell_calls = {c["name"]: int(c.get("in_flight", 0)) for c in stats.get("cells", [])}
+        running = sum(cell_calls.values())
+        tick = Tick(at=self.clock(), queued_calls=int(stats.get("queued", 0)), running_calls=running,
+                    rollouts_between_calls=max(0, len(self.demand.running_rollouts) - running),
+                    training_backlog=self.demand.backlog, update_pending=self.demand.update_pending,
+                    cell_calls=cell_calls, busy_trainers=self.demand.busy_trainers)
+        facts = decide(self.state, tick, self.policy)
+        for fact in facts:
+            self.state = evolve(self.state, fact)
+            event = to_event(fact, self.run_id, state=self.state)
+            if event is None:
+                continue
+            self._mine.add(event.event_id)
+            await self.bus.publish(event)
+            if isinstance(fact, SwitchStarted):
+                self._spawn(self._switch(fact.cell, fact.to_role.value, event.event_id))
+        return facts
+
+    async def _switch(self, cell: str, to_role: str, causation: str) -> None:
+        try:
+            answer = await self.send_switch(cell, to_role, causation)
+        except Exception as exc:  # no answer: the cell's own events (or their absence) tell the rest
+            answer = {"ok": False, "cell": cell, "reason": repr(exc)}
+            log.error("scheduler: switch of %s to %s got no answer: %r", cell, to_role, exc)
+        self.switch_answers.append({"cell": cell, "to_role": to_role, **answer})
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        followers = [asyncio.create_task(self._follow(c, stop))
+                     for c in (Context.CELLS, Context.ROLLOUTS, Context.TREES, Context.TRAINING)]
+        try:
+            await asyncio.sleep(min(self.tick_s, 1.0))  # let the followers read the history first
+            while not stop.is_set():
+                try:
+                    await self.tick()
+                except Exception:
+                    log.exception("scheduler tick failed; trying again next tick")
+                try:
+                    await asyncio.wait_for(stop.wait(), self.tick_s)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            for t in followers:
+                t.cancel()
+            if self._tasks:
+                await asyncio.gather(*self._tasks, return_exceptions=True)

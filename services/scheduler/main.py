@@ -1,0 +1,64 @@
+"""Wiring for ``gyre serve scheduler``: the live elastic scheduler.
+
+Environment: ``GYRE_PROXY_URL`` (required: calls in flight per cell come from the proxy's
+``/admin/cells``), ``GYRE_ADMIN_TOKEN``, ``GYRE_SCHEDULER_POLICY`` (``elastic`` default,
+``colocate``, ``async``), ``GYRE_SCHEDULER_TICK_S`` (2), and the elastic policy's knobs
+``GYRE_SCHEDULER_HOLD_S``, ``GYRE_SCHEDULER_MIN_DWELL_S``, ``GYRE_SCHEDULER_SMOOTHING_S``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import httpx
+
+from libs.common.service import ServiceContext, ServiceSpec
+
+from .core import AsyncPolicy, ColocatePolicy, ElasticPolicy
+from .live import LiveScheduler
+
+
+def policy_from_env() -> Any:
+    name = os.environ.get("GYRE_SCHEDULER_POLICY", "elastic")
+    if name == "elastic":
+        knobs = {k: float(os.environ[f"GYRE_SCHEDULER_{k.upper()}"])
+                 for k in ("hold_s", "min_dwell_s", "smoothing_s") if os.environ.get(f"GYRE_SCHEDULER_{k.upper()}")}
+        return ElasticPolicy(**knobs)
+    if name == "colocate":
+        return ColocatePolicy()
+    if name == "async":
+        return AsyncPolicy()
+    raise ValueError(f"GYRE_SCHEDULER_POLICY: expected elastic, colocate or async, got {name!r}")
+
+
+async def scheduler_main(ctx: ServiceContext) -> None:
+    from services.cell.agent import request_switch
+
+    settings = ctx.runtime.settings
+    proxy_url = os.environ.get("GYRE_PROXY_URL", "").strip()
+    if not proxy_url:
+        raise ValueError("GYRE_PROXY_URL is not set: the scheduler reads calls in flight from the proxy")
+    headers = {"Authorization": f"Bearer {settings.admin_token}"} if settings.admin_token else {}
+    http = httpx.AsyncClient(base_url=proxy_url, headers=headers, timeout=10)
+
+    async def proxy_stats() -> dict[str, Any]:
+        r = await http.get("/admin/cells")
+        r.raise_for_status()
+        return r.json()
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict[str, Any]:
+        return await request_switch(ctx.runtime.bus.nc, settings.run_id, cell, to_role, causation_id=causation)
+
+    live = LiveScheduler(run_id=settings.run_id, bus=ctx.runtime.bus, policy=policy_from_env(),
+                         proxy_stats=proxy_stats, send_switch=send_switch,
+                         tick_s=float(os.environ.get("GYRE_SCHEDULER_TICK_S", "2")))
+    ctx.health.ok(policy=live.policy.name)
+    try:
+        await live.run(ctx.stop)
+    finally:
+        await http.aclose()
+
+
+SPEC = ServiceSpec("scheduler", scheduler_main,
+                   summary="elastic scheduler: switches cells between inference and training by water level")

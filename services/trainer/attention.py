@@ -1,0 +1,122 @@
+"""Tree attention: each token sees its own segment up to itself and its ancestor segments.
+
+Three ways to compute it, all exact:
+
+- ``dense``: a boolean [s, s] mask built from the layout, one SDPA call (short trees).
+- ``flex``: ``torch.nn.attention.flex_attention`` with a block mask whose ``mask_mod``
+  reads the segment table (long trees on GPU; torch 2.13 has no flex backward on CPU).
+- ``blocks``: block-sparse SDPA in plain autograd ops: each block of queries attends only
+  to the tokens its segments can see, gathered; memory and work grow with the tree's
+  depth, not with s^2 (long trees on CPU).
+
+``tree_attention`` picks one by length and device; ``mode`` forces one (tests prove the
+three equal). Tensors are [b, heads, s, d] as SDPA takes them; b is 1 for a packed tree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from .batch import TreeLayout
+
+Mode = Literal["auto", "dense", "flex", "blocks"]
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    mode: Mode = "auto"
+    dense_max_tokens: int = 2048  # above this, a long tree: flex on GPU, blocks on CPU
+    block_size: int = 128
+
+
+def dense_mask(layout: TreeLayout) -> torch.Tensor:
+    """[s, s] bool, True = may attend."""
+    seg = layout.segment_ids
+    s = seg.numel()
+    idx = torch.arange(s)
+    return layout.visible[seg[:, None], seg[None, :]] & (idx[None, :] <= idx[:, None])
+
+
+def flex_block_mask(layout: TreeLayout, block_size: int = 128, device: str | torch.device = "cpu"):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    seg = layout.segment_ids.to(device)
+    visible = layout.visible.to(device)
+
+    def mask_mod(b, h, q, kv):
+        return (kv <= q) & visible[seg[q], seg[kv]]
+
+    s = seg.numel()
+    return create_block_mask(mask_mod, None, None, s, s, device=device, BLOCK_SIZE=block_size)
+
+
+@dataclass(frozen=True)
+class _Block:
+    start: int
+    stop: int
+    kv_index: torch.Tensor  # tokens this block's queries may see (some of them)
+    mask: torch.Tensor  # [stop - start, len(kv_index)] bool
+
+
+def attention_blocks(layout: TreeLayout, block_size: int) -> list[_Block]:
+    """Per query block, the visible key positions and the exact mask over them."""
+    seg = layout.segment_ids
+    s = seg.numel()
+    out = []
+    for start in range(0, s, block_size):
+        stop = min(s, start + block_size)
+        q_seg = seg[start:stop]
+        seen_segments = layout.visible[q_seg].any(0)  # [n_seg]
+        kv_index = torch.nonzero(seen_segments[seg[:stop]]).flatten()
+        q_pos = torch.arange(start, stop)
+        mask = layout.visible[q_seg[:, None], seg[kv_index][None, :]] & (kv_index[None, :] <= q_pos[:, None])
+        out.append(_Block(start, stop, kv_index, mask))
+    return out
+
+
+class TreeAttention:
+    """The attention structure of one batch, prepared once and used by every layer."""
+
+    def __init__(self, layout: TreeLayout, config: AttentionConfig = AttentionConfig(),
+                 device: torch.device | str = "cpu") -> None:
+        self.layout = layout
+        self.config = config
+        self.device = torch.device(device)
+        self.mode = self._pick(config.mode)
+        self._dense = dense_mask(layout).to(self.device) if self.mode == "dense" else None
+        self._flex = flex_block_mask(layout, config.block_size, self.device) if self.mode == "flex" else None
+        self._blocks = attention_blocks(layout, config.block_size) if self.mode == "blocks" else None
+
+    def _pick(self, mode: Mode) -> str:
+        if mode != "auto":
+            return mode
+        if self.layout.n_tokens <= self.config.dense_max_tokens:
+            return "dense"
+        return "flex" if self.device.type == "cuda" else "blocks"
+
+    def dense(self) -> torch.Tensor:
+        """The dense mask (for backends that only take one, e.g. megatron's local attention)."""
+        return self._dense if self._dense is not None else dense_mask(self.layout).to(self.device)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+        """q [b, h, s, d], k/v [b, h_kv, s, d] -> [b, h, s, d]."""
+        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if self.mode == "dense":
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=self._dense, scale=scale)
+        if self.mode == "flex":
+            from torch.nn.attention.flex_attention import flex_attention
+
+            return flex_attention(q, k, v, block_mask=self._flex, scale=scale)
+        parts = []
+        for blk in self._blocks:
+            kv = blk.kv_index.to(q.device)
+            parts.append(F.scaled_dot_product_attention(
+                q[:, :, blk.start:blk.stop], k[:, :, kv], v[:, :, kv],
+                attn_mask=blk.mask.to(q.device), scale=scale))
+        return torch.cat(parts, dim=2)

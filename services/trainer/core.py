@@ -1,0 +1,212 @@
+"""The core cell: authoritative weights and optimizer; one update per step.
+
+It reads the log: ``MicroStepQueued`` (trees stream, from the start: cheap, and it
+learns every step's micro-steps whatever was checkpointed) and ``MicroStepDone``
+(training stream, from the checkpoint's position). A result computed on the core's
+current weight version is added to the step's :class:`StepReducer`; any other version
+is dropped and the core computes that micro-step again itself (its requeue). When
+every micro-step of the step is in, it applies one update (or none when a loss or the
+gradient is not finite: weights unchanged, the step marked), publishes ``StepApplied``,
+the new weights (blob + ``WeightsPublished``, then to the inference cells), and writes
+a checkpoint with the consumed training-stream position.
+
+A step's size: ``MicroStepQueued.micro_steps_in_step`` when the trajectory service sets
+it, else every micro-step of ``groups_per_step`` groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from libs.common.bus.port import BlobStore, EventBus
+from libs.common.events import Context, MicroStepDone, MicroStepQueued, StepApplied, WeightsPublished, decode
+
+from .backends.base import PolicyBackend
+from .batch import tree_batch
+from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .step import StepReducer, TrainConfig, compute_micro_step, make_optimizer
+from .transfer import GradientSink
+from .worker import load_samples, result_from_done
+
+log = logging.getLogger(__name__)
+Publisher = Callable[[int, dict[str, torch.Tensor]], Awaitable[list[str]]]
+
+
+@dataclass(frozen=True)
+class CoreSettings:
+    run_id: str
+    cell: str = "core"
+    train: TrainConfig = TrainConfig()
+    checkpoint_dir: Path | None = None
+    groups_per_step: int | None = None
+
+
+@dataclass
+class _StepPlan:
+    queued: dict[str, MicroStepQueued] = field(default_factory=dict)
+    groups: set[str] = field(default_factory=set)
+    expected: int | None = None
+
+
+class CoreTrainer:
+    def __init__(self, settings: CoreSettings, backend: PolicyBackend, *, bus: EventBus, blobs: BlobStore,
+                 gradients: GradientSink, publish: Publisher | None = None) -> None:
+        self.settings, self.backend = settings, backend
+        self.bus, self.blobs, self.gradients, self.publish_to_cells = bus, blobs, gradients, publish
+        self.optimizer = make_optimizer(backend, settings.train)
+        self.state = TrainerState()
+        self.plans: dict[int, _StepPlan] = {}
+        self.reducer = StepReducer(0, 0)
+        self.applied = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    # -------------------------------------------------------------------- start / resume
+    async def start(self) -> None:
+        ckpt = latest_checkpoint(self.settings.checkpoint_dir) if self.settings.checkpoint_dir else None
+        if ckpt is not None:
+            self.state, weights, opt = load_checkpoint(ckpt)
+            self.backend.load_hf_state_dict(weights)
+            self.optimizer.load_state_dict(opt)
+            log.info("core resumes at step %d (v%d) from %s", self.state.step, self.state.weight_version, ckpt)
+        self.reducer = StepReducer(self.state.step, self.state.weight_version)
+        await self._publish_weights(cause=None)
+
+    async def run(self, stop) -> None:
+        await self.start()
+        tasks = [asyncio.create_task(self._follow(Context.TREES, 1, MicroStepQueued, self.on_queued, stop)),
+                 asyncio.create_task(self._follow(Context.TRAINING, self.state.consumed.get("training", 0) + 1,
+                                                  MicroStepDone, self.on_done, stop))]
+        try:
+            await stop.wait()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _follow(self, context: Context, start: int, kind, handler, stop) -> None:
+        subject = f"gyre.{self.settings.run_id}.{context.value}.{kind.TYPE}.>"
+        async for raw in self.bus.follow(context, start_seq=start, filter_subject=subject):
+            if stop.is_set():
+                return
+            if raw is None:
+                continue
+            async with self._lock:
+                await handler(decode(raw.data), raw.seq)
+
+    # -------------------------------------------------------------------- events in
+    async def on_queued(self, ev: MicroStepQueued, seq: int = 0) -> None:
+        if ev.step < self.state.step:
+            return
+        plan = self.plans.setdefault(ev.step, _StepPlan())
+        plan.queued[ev.micro_step] = ev
+        plan.groups.add(ev.group_id)
+        if ev.micro_steps_in_step:
+            plan.expected = ev.micro_steps_in_step
+        await self._maybe_finish()
+
+    async def on_done(self, ev: MicroStepDone, seq: int = 0) -> None:
+        if seq:
+            self.state.consumed["training"] = seq
+        if ev.step != self.state.step or ev.micro_step in self.reducer.used:
+            return  # an applied step's straggler, or a duplicate
+        result = await result_from_done(ev, self.gradients)
+        if not self.reducer.add(result):
+            log.info("core: drops %s (v%d, current v%d) and computes it again", ev.micro_step,
+                     ev.weight_version, self.state.weight_version)
+            queued = self.plans.get(ev.step, _StepPlan()).queued.get(ev.micro_step)
+            if queued is not None:
+                await self._recompute(queued)
+        self.reducer.rejected.extend(ev.gradient.get("rejected", []))
+        await self._maybe_finish()
+
+    async def _recompute(self, ev: MicroStepQueued) -> None:
+        samples, _ = await load_samples(self.blobs, ev, self.backend.vocab_size, self.state.weight_version, None)
+        if samples:
+            result = await asyncio.to_thread(compute_micro_step, self.backend, tree_batch(samples),
+                                             self.settings.train, micro_step=ev.micro_step,
+                                             weight_version=self.state.weight_version)
+            self.reducer.add(result)
+
+    # -------------------------------------------------------------------- the update
+    def _complete(self) -> bool:
+        plan = self.plans.get(self.state.step)
+        if plan is None:
+            return False
+        expected = plan.expected
+        if expected is None and self.settings.groups_per_step and len(plan.groups) >= self.settings.groups_per_step:
+            expected = len(plan.queued)
+        return expected is not None and len(plan.queued) >= expected and set(plan.queued) <= set(self.reducer.used)
+
+    async def _maybe_finish(self) -> None:
+        if not self._complete():
+            return
+        r = self.reducer
+        applied = r.apply(self.backend, self.optimizer, self.settings.train)
+        stats = r.loss_stats()
+        stats["applied"] = 1.0 if applied else 0.0
+        if applied:
+            self.state.weight_version += 1
+        else:
+            log.warning("core: step %d not applied (non-finite loss or gradient: %s)", r.step, r.non_finite)
+        plan = self.plans.pop(self.state.step)
+        cause = next(iter(plan.queued.values()))
+        stats["rejected_samples"] = float(len(r.rejected))
+        await self.bus.publish(StepApplied(**cause.caused(
+            event_id=_event_id(self.settings.run_id, "StepApplied", r.step), step=r.step, weight_version=self.state.weight_version, micro_steps_used=list(r.used),
+            micro_steps_dropped=list(r.dropped) + list(r.non_finite), loss=stats)))
+        self.state.history.append({"step": r.step, **stats})
+        self.state.step += 1
+        self.reducer = StepReducer(self.state.step, self.state.weight_version)
+        await self._publish_weights(cause)
+        if self.settings.checkpoint_dir:
+            save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
+        self.applied.set()
+        self.applied = asyncio.Event()
+
+    async def _publish_weights(self, cause) -> None:
+        from safetensors.torch import save
+
+        weights = {k: v.contiguous() for k, v in self.backend.hf_state_dict().items()}
+        digest = await self.blobs.put(save(_untied(weights)))
+        targets = await self.publish_to_cells(self.state.weight_version, weights) if self.publish_to_cells else []
+        envelope = cause.caused() if cause is not None else {"run_id": self.settings.run_id}
+        envelope["event_id"] = _event_id(self.settings.run_id, "WeightsPublished", self.state.weight_version)
+        await self.bus.publish(WeightsPublished(**envelope, weight_version=self.state.weight_version,
+                                                target_cells=targets, checkpoint_digest=digest))
+
+
+class CoreWeightSource:
+    """The core's own worker reads the core's weights directly (same process)."""
+
+    def __init__(self, core: CoreTrainer) -> None:
+        self.core = core
+
+    async def current_version(self) -> int:
+        return self.core.state.weight_version
+
+    async def fetch(self, version: int) -> dict[str, torch.Tensor]:
+        if version != self.core.state.weight_version:
+            raise LookupError(f"the core holds v{self.core.state.weight_version}, not v{version}")
+        return {k: v.clone() for k, v in self.core.backend.hf_state_dict().items()}
+
+
+def _event_id(run_id: str, kind: str, key: int) -> str:
+    """Deterministic ids: a core that restarts and publishes again is de-duplicated."""
+    return hashlib.sha256(f"{run_id}:{kind}:{key}".encode()).hexdigest()[:32]
+
+
+def _untied(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory (tied embeddings): copy the duplicates."""
+    seen, out = set(), {}
+    for k, v in weights.items():
+        ptr = v.data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out

@@ -1,0 +1,62 @@
+"""How tensors move between trainer cells: gradients to the core, weights from it.
+
+A small port of the trainer's own (the shared transfer port in ``libs/common/transfer``
+is being built; Mooncake/UCX adapters will implement this same Protocol). ``put``
+returns a JSON-able descriptor that travels in an event (``MicroStepDone.gradient``,
+``WeightsPublished.checkpoint_digest``); ``get`` resolves it on the other side.
+
+- :class:`InProcessTransfer`: cells in one process share tensors by reference.
+- :class:`BlobTransfer`: safetensors bytes in the content-addressed blob store (works
+  across processes and machines, and survives a restart of the core: a killed core
+  rebuilds its step from the log and these blobs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from libs.common.bus.port import BlobStore
+
+
+@runtime_checkable
+class TensorTransfer(Protocol):
+    async def put(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]: ...
+
+    async def get(self, descriptor: dict[str, Any]) -> dict[str, torch.Tensor]: ...
+
+
+GradientSink = TensorTransfer  # satellite -> core
+WeightSource = TensorTransfer  # core -> satellites and checkpoints
+
+
+class InProcessTransfer:
+    def __init__(self) -> None:
+        self._items: dict[str, dict[str, torch.Tensor]] = {}
+        self._ids = itertools.count()
+
+    async def put(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        key = f"mem-{next(self._ids)}"
+        self._items[key] = {k: v.detach().clone() for k, v in tensors.items()}
+        return {"kind": "memory", "key": key}
+
+    async def get(self, descriptor: dict[str, Any]) -> dict[str, torch.Tensor]:
+        return self._items[descriptor["key"]]
+
+
+class BlobTransfer:
+    def __init__(self, blobs: BlobStore) -> None:
+        self.blobs = blobs
+
+    async def put(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        from safetensors.torch import save
+
+        data = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        return {"kind": "blob", "digest": await self.blobs.put(data), "bytes": len(data)}
+
+    async def get(self, descriptor: dict[str, Any]) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load
+
+        return load(await self.blobs.get(descriptor["digest"]))

@@ -1,0 +1,4 @@
+from .models import Item
+from .store import Inventory
+
+__all__ = ["Inventory", "Item"]

@@ -1,0 +1,6 @@
+class RPNError(ValueError):
+    pass
+
+
+def evaluate(expr: str) -> float:
+    raise NotImplementedError

@@ -1,0 +1,69 @@
+"""The shipped task set: loadable by the runner and by the evaluator's catalog, a
+held-out split, and hidden tests that the reference solution passes and the starting
+files do not."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from services.evaluator.adapters.catalog import DirectoryTaskCatalog
+from services.runner.tasks import TaskError, default_tasks_dir, load_task, load_tasks
+
+TASKS = load_tasks()
+
+
+def test_task_set_shape() -> None:
+    assert 6 <= len(TASKS) <= 12
+    heldout = load_tasks(split="heldout")
+    assert len(heldout) / len(TASKS) >= 0.2 and {t.split for t in TASKS} == {"train", "heldout"}
+    assert {t.level for t in TASKS} >= {1, 2, 3}
+    catalog = DirectoryTaskCatalog(default_tasks_dir())
+    for task in TASKS:
+        spec = catalog.get(task.task_id)
+        assert spec is not None and spec.hidden_files and spec.weights, task.task_id
+        assert task.time_limit_s > 0 and task.prompt.strip()
+
+
+def _pytest(folders) -> dict[str, tuple[set[str], set[str]]]:
+    """One pytest run over many task folders (their module names differ): per task, the
+    node ids (relative to its folder) that passed and those that did not."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rA", "--continue-on-collection-errors",
+                           *map(str, folders)], cwd=folders[0].parent, capture_output=True, text=True, timeout=120)
+    out: dict[str, tuple[set[str], set[str]]] = {f.name: (set(), set()) for f in folders}
+    for line in proc.stdout.splitlines():
+        word, _, rest = line.partition(" ")
+        if word in ("PASSED", "FAILED", "ERROR") and "/" in rest:
+            path, _, name = rest.split(" - ")[0].strip().partition("::")
+            parts = path.split("/")
+            task, test = (parts[-2], f"{parts[-1]}::{name}") if len(parts) >= 2 else ("", "")
+            if task in out:
+                out[task][word != "PASSED"].add(test)
+    return out
+
+
+def test_solutions_pass_every_weighted_test_and_starting_files_do_not(tmp_path) -> None:
+    catalog = DirectoryTaskCatalog(default_tasks_dir())
+    for variant in ("solved", "start"):
+        for task in TASKS:
+            root, ws = default_tasks_dir() / task.task_id, tmp_path / variant / task.task_id
+            shutil.copytree(root / "files", ws)
+            if variant == "solved":
+                shutil.copytree(root / "solution", ws, dirs_exist_ok=True)
+            shutil.copytree(root / "hidden", ws, dirs_exist_ok=True)
+    solved = _pytest(sorted((tmp_path / "solved").iterdir()))
+    start = _pytest(sorted((tmp_path / "start").iterdir()))
+    for task in TASKS:
+        passed, failed = solved[task.task_id]
+        assert not failed and passed == set(catalog.get(task.task_id).weights), task.task_id
+        assert start[task.task_id][1], f"{task.task_id}: the starting files already pass"
+
+
+def test_bad_task_folder(tmp_path) -> None:
+    (tmp_path / "t1").mkdir()
+    (tmp_path / "t1" / "task.yaml").write_text("split: train\n")
+    with pytest.raises(TaskError):
+        load_task(tmp_path / "t1")

@@ -1,0 +1,78 @@
+"""The live scheduler over a real nats-server: rebuilds cells from the log, releases the
+core cell to training when micro-steps wait and no calls run, sends the switch, applies
+the cell's answer from the log, and reclaims it when calls pile up."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from libs.common.events import (CellRegistered, Context, MicroStepQueued, SwitchCompleted, SwitchPhaseEntered,
+                                SwitchRequested)
+from services.scheduler.core import ElasticPolicy
+from services.scheduler.live import LiveScheduler
+
+RUN = "live"
+D = "ab" * 32
+
+
+async def test_release_and_reclaim_through_the_log(js_bus) -> None:
+    bus = js_bus
+    for i in range(3):
+        await bus.publish(CellRegistered(run_id=RUN, cell=f"c{i}", role="inference", is_core=(i == 0), capacity=4))
+    stats = {"cells": [{"name": f"c{i}", "in_flight": 0} for i in range(3)]}
+    sent: list[tuple[str, str]] = []
+
+    async def proxy_stats() -> dict:
+        return stats
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        sent.append((cell, to_role))  # answered through the log, as a real cell agent does
+        phases = ("draining", "migrating", "releasing", "joining") if to_role == "training" else ("leaving", "resuming")
+        for phase in phases:
+            await bus.publish(SwitchPhaseEntered(run_id=RUN, cell=cell, phase=phase, causation_id=causation))
+        await bus.publish(SwitchCompleted(run_id=RUN, cell=cell, role=to_role, weight_version=0,
+                                          phase_timings={"joining": 0.1}, causation_id=causation))
+        return {"ok": True, "role": to_role}
+
+    clock = [time.time()]
+    live = LiveScheduler(run_id=RUN, bus=bus, policy=ElasticPolicy(hold_s=0, min_dwell_s=0, smoothing_s=0),
+                         proxy_stats=proxy_stats, send_switch=send_switch, tick_s=0.05, clock=lambda: clock[0])
+    stop = asyncio.Event()
+    runner = asyncio.create_task(live.run(stop))
+    await asyncio.sleep(0.5)
+    assert {c.name for c in live.state.cells} == {"c0", "c1", "c2"}
+    await bus.publish(MicroStepQueued(run_id=RUN, step=0, micro_step="0.0", group_id="g", sample_digests=[D],
+                                      advantages=[1.0], n_tokens=10))
+    for _ in range(100):
+        clock[0] += 10
+        await asyncio.sleep(0.05)
+        if sent:
+            break
+    assert sent and sent[0] == ("c0", "training")  # the core cell goes first
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if live.state.cell("c0").phase.value == "training":
+            break
+    assert live.state.cell("c0").phase.value == "training"
+    # demand rises far above what the inference cells serve: a training cell comes back
+    stats["cells"] = [{"name": "c1", "in_flight": 40}, {"name": "c2", "in_flight": 40}, {"name": "c0", "in_flight": 0}]
+    live.demand.queued.clear()
+    for _ in range(200):
+        clock[0] += 10
+        await asyncio.sleep(0.05)
+        if any(role == "inference" for _, role in sent):
+            break
+    stop.set()
+    await asyncio.wait_for(runner, 10)
+    back = [cell for cell, role in sent if role == "inference"]
+    trained = [cell for cell, role in sent if role == "training"]
+    assert back and (back[0] != "c0" or trained == ["c0"])  # the core is the last out of training
+    requested = [(e.cell, e.to_role) async for e in _requests(bus)]
+    assert requested == sent  # every command is in the log, in order
+
+
+async def _requests(bus):
+    async for d in bus.read(Context.CELLS):
+        if isinstance(d.event, SwitchRequested):
+            yield d.event

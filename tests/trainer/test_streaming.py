@@ -1,0 +1,212 @@
+"""Core + satellite over a real nats-server: work queue, version tags, one update per
+step, weights published, bad samples rejected with reasons, and a killed core resumes."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+
+import pytest
+import torch
+
+from libs.common.blobs import MemoryBlobStore
+from libs.common.events import Context, MicroStepDone, MicroStepQueued, StepApplied, WeightsPublished, decode
+from services.trainer.backends.torch_hf import TorchBackend
+from services.trainer.batch import tree_batch
+from services.trainer.core import CoreSettings, CoreTrainer, CoreWeightSource
+from services.trainer.step import StepReducer, TrainConfig, compute_micro_step, make_optimizer
+from services.trainer.transfer import BlobTransfer
+from services.trajectory.codec import encode_packed
+
+from .conftest import TINY
+from .samples import two_branch_tree, workload_samples
+
+RUN = "t1"
+CONFIG = TrainConfig(lr=1e-3)
+
+
+async def _queue(bus, blobs, step, samples, n_micro=2):
+    """One step: the samples split over ``n_micro`` micro-steps."""
+    digests = [await blobs.put(encode_packed(p)) for p, _ in samples]
+    events = []
+    for k in range(n_micro):
+        idx = list(range(k, len(samples), n_micro))
+        events.append(MicroStepQueued(run_id=RUN, step=step, micro_step=f"s{step}-m{k}", group_id=f"g{step}",
+                                      sample_digests=[digests[i] for i in idx],
+                                      advantages=[samples[i][1] for i in idx], n_tokens=1,
+                                      micro_steps_in_step=n_micro))
+    await bus.publish_many(events)
+
+
+def _reference(steps):
+    """The same steps trained directly, one update each."""
+    backend = TorchBackend.tiny(TINY)
+    opt = make_optimizer(backend, CONFIG)
+    for step, samples in enumerate(steps):
+        red = StepReducer(step, step)
+        for k in range(2):
+            batch = tree_batch([samples[i] for i in range(k, len(samples), 2)])
+            red.add(compute_micro_step(backend, batch, CONFIG, micro_step=f"s{step}-m{k}", weight_version=step))
+        assert red.apply(backend, opt, CONFIG)
+    return backend
+
+
+def _steps():
+    w = workload_samples(TINY.vocab_size)
+    return [[(w[0], 1.0), (two_branch_tree("rx"), -1.0)], [(w[1], -0.5), (two_branch_tree("ry"), 0.5)]]
+
+
+async def _events(bus, context, kind):
+    out = []
+    async for d in bus.read(context):
+        if isinstance(d.event, kind):
+            out.append(d.event)
+    return out
+
+
+def _same_weights(a, b):
+    sa, sb = a.hf_state_dict(), b.hf_state_dict()
+    return max(float((sa[k] - sb[k]).abs().max()) for k in sa)
+
+
+async def _wait_version(core, version, timeout=60):
+    async def wait():
+        while core.state.weight_version < version:
+            await asyncio.sleep(0.05)
+    await asyncio.wait_for(wait(), timeout)
+
+
+def _cells(bus, blobs, tmp_path, n_satellites=1):
+    from services.trainer.worker import BusWeightSource, MicroStepWorker, WorkerSettings
+
+    grads = BlobTransfer(blobs)
+    core = CoreTrainer(CoreSettings(RUN, train=CONFIG, checkpoint_dir=tmp_path / "ckpt"), TorchBackend.tiny(TINY),
+                       bus=bus, blobs=blobs, gradients=grads)
+    workers = [MicroStepWorker(WorkerSettings(RUN, "core", CONFIG), TorchBackend.tiny(TINY), bus=bus, blobs=blobs,
+                               gradients=grads, weights=CoreWeightSource(core))]
+    for i in range(n_satellites):
+        workers.append(MicroStepWorker(WorkerSettings(RUN, f"sat{i}", CONFIG), TorchBackend.tiny(TINY), bus=bus,
+                                       blobs=blobs, gradients=grads, weights=BusWeightSource(bus, blobs, RUN)))
+    return core, workers
+
+
+async def test_core_and_satellite_train_two_steps(js_bus, tmp_path):
+    blobs = MemoryBlobStore()
+    core, workers = _cells(js_bus, blobs, tmp_path)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(core.run(stop))] + [asyncio.create_task(w.run(stop)) for w in workers]
+    steps = _steps()
+    for step, samples in enumerate(steps):
+        await _queue(js_bus, blobs, step, samples)
+    await _wait_version(core, 2)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert _same_weights(core.backend, _reference(steps)) < 1e-6
+    applied = await _events(js_bus, Context.TRAINING, StepApplied)
+    assert [(e.step, e.weight_version, sorted(e.micro_steps_used)) for e in applied] == [
+        (0, 1, ["s0-m0", "s0-m1"]), (1, 2, ["s1-m0", "s1-m1"])]
+    published = await _events(js_bus, Context.TRAINING, WeightsPublished)
+    assert [e.weight_version for e in published] == [0, 1, 2]
+    cells = {e.cell for e in await _events(js_bus, Context.TRAINING, MicroStepDone)}
+    assert cells <= {"core", "sat0"} and sum(len(w.done) for w in workers) == 4
+
+
+async def test_stale_gradient_is_dropped_and_recomputed(js_bus, tmp_path):
+    blobs = MemoryBlobStore()
+    core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    await core.start()
+    steps = _steps()
+    await _queue(js_bus, blobs, 0, steps[0])
+    async for d in js_bus.read(Context.TREES):
+        await core.on_queued(d.event)
+    grads = BlobTransfer(blobs)
+    stale = compute_micro_step(TorchBackend.tiny(TINY), tree_batch([steps[0][0]]), CONFIG, micro_step="s0-m0")
+    desc = {"transfer": await grads.put({"gradient": stale.gradient}), "executions": list(stale.executions),
+            "stats": stale.stats, "finite": True, "rejected": []}
+    for name, version in (("s0-m0", 7), ("s0-m1", 0)):  # m0 from an old version; m1 fine
+        res = compute_micro_step(core.backend, tree_batch([steps[0][int(name[-1])]]), CONFIG, micro_step=name)
+        d = desc if version == 7 else {**desc, "transfer": await grads.put({"gradient": res.gradient}),
+                                      "executions": list(res.executions)}
+        await core.on_done(MicroStepDone(run_id=RUN, step=0, micro_step=name, cell="sat", weight_version=version,
+                                         n_tokens=1, loss=res.loss_sum, gradient=d))
+    assert core.state.weight_version == 1
+    applied = (await _events(js_bus, Context.TRAINING, StepApplied))[0]
+    assert applied.micro_steps_dropped == ["s0-m0"] and sorted(applied.micro_steps_used) == ["s0-m0", "s0-m1"]
+    assert _same_weights(core.backend, _reference_one_step(steps[0])) < 1e-6
+
+
+def _reference_one_step(samples):
+    backend = TorchBackend.tiny(TINY)
+    opt = make_optimizer(backend, CONFIG)
+    red = StepReducer(0, 0)
+    for k in range(2):
+        red.add(compute_micro_step(backend, tree_batch([samples[k]]), CONFIG, micro_step=f"m{k}"))
+    red.apply(backend, opt, CONFIG)
+    return backend
+
+
+async def test_killed_core_resumes_exactly(js_bus, tmp_path):
+    from services.trainer.worker import BusWeightSource, MicroStepWorker, WorkerSettings
+
+    blobs = MemoryBlobStore()
+    grads = BlobTransfer(blobs)
+
+    gate = asyncio.Event()
+
+    class Satellite(MicroStepWorker):
+        async def train(self, ev):
+            if ev.micro_step == "s1-m1":  # holds the step open until the core is killed
+                await gate.wait()
+            await super().train(ev)
+
+    def satellite(name):
+        return Satellite(WorkerSettings(RUN, name, CONFIG), TorchBackend.tiny(TINY), bus=js_bus, blobs=blobs,
+                         gradients=grads, weights=BusWeightSource(js_bus, blobs, RUN))
+
+    def core():
+        return CoreTrainer(CoreSettings(RUN, train=CONFIG, checkpoint_dir=tmp_path / "ckpt"),
+                           TorchBackend.tiny(TINY), bus=js_bus, blobs=blobs, gradients=grads)
+
+    steps = _steps()
+    for step, samples in enumerate(steps):
+        await _queue(js_bus, blobs, step, samples)
+    stop = asyncio.Event()
+    first = core()
+    core_task = asyncio.create_task(first.run(stop))
+    sat_task = asyncio.create_task(satellite("sat0").run(stop))
+    while not [e for e in await _events(js_bus, Context.TRAINING, MicroStepDone) if e.step == 1]:
+        await asyncio.sleep(0.05)
+    core_task.cancel()  # killed mid step 1, after its step-0 checkpoint
+    await asyncio.gather(core_task, return_exceptions=True)
+    assert first.state.weight_version == 1 and "s1-m0" in first.reducer.used
+    gate.set()
+    second = core()
+    core_task = asyncio.create_task(second.run(stop))
+    await _wait_version(second, 2)
+    stop.set()
+    await asyncio.gather(core_task, sat_task)
+    assert _same_weights(second.backend, _reference(steps)) < 1e-6
+    applied = await _events(js_bus, Context.TRAINING, StepApplied)
+    assert [e.step for e in applied] == [0, 1]
+
+
+async def test_bad_sample_is_rejected_with_its_reason(js_bus, tmp_path):
+    from dataclasses import replace
+
+    blobs = MemoryBlobStore()
+    core, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    good = (two_branch_tree("ra"), 1.0)
+    bad_tree = two_branch_tree("rb")
+    blp = bad_tree.behaviour_logprobs[:]
+    blp[3] = 3.0  # not a log-probability
+    bad = (replace(bad_tree, behaviour_logprobs=blp), 1.0)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(core.run(stop)), asyncio.create_task(workers[0].run(stop))]
+    await _queue(js_bus, blobs, 0, [good, bad])
+    await _wait_version(core, 1)
+    stop.set()
+    await asyncio.gather(*tasks)
+    done = {e.micro_step: e for e in await _events(js_bus, Context.TRAINING, MicroStepDone)}
+    assert done["s0-m1"].gradient["rejected"][0]["reason"] == "behaviour_logprobs[3] = 3.0 is not a log-probability"
+    applied = (await _events(js_bus, Context.TRAINING, StepApplied))[0]
+    assert applied.loss["rejected_samples"] == 1.0 and applied.loss["executions"] == 1.0

@@ -1,0 +1,90 @@
+"""Tree-packed training equals per-branch training (1/k weights): loss and gradients,
+both backends; the attention paths agree; both backends give the same logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.trainer.attention import AttentionConfig, TreeAttention
+from services.trainer.batch import branch_batch, tree_batch
+from services.trainer.objective import ObjectiveConfig
+from services.trainer.step import TrainConfig, compute_micro_step
+
+from .samples import two_branch_tree, with_behaviour
+
+UNCLIPPED = ObjectiveConfig(eps_low=1e9, eps_high=1e9)
+
+
+def test_layout_of_the_example_tree():
+    batch = tree_batch([(two_branch_tree(), 1.0)])
+    assert batch.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 5, 6, 7]
+    # targets: each trained token, predicted from its parent (30 from 21, not from 23)
+    assert batch.target_ids.tolist() == [20, 21, 22, 23, 30, 31, 32]
+    assert batch.source_index.tolist() == [2, 3, 4, 5, 4, 7, 8]
+    flat = branch_batch([(two_branch_tree(), 1.0)])
+    # 20 and 21 are in both branches: each copy weighs 1/2 of the tree's weight
+    assert flat.weights.tolist()[:2] == pytest.approx([1 / 14, 1 / 14])
+    assert float(flat.weights.sum()) == pytest.approx(float(batch.weights.sum()))
+
+
+@pytest.mark.parametrize("mode", ["blocks", "flex"])
+def test_attention_paths_agree_with_dense(samples, mode):
+    layout = tree_batch(samples).layout
+    s = layout.n_tokens
+    q, k, v = (torch.randn(1, 4, s, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    dense = TreeAttention(layout, AttentionConfig(mode="dense"))(q, k[:, :2], v[:, :2])
+    other = TreeAttention(layout, AttentionConfig(mode=mode, block_size=64))(q, k[:, :2], v[:, :2])
+    assert torch.allclose(dense, other, atol=1e-5)
+
+
+def _assert_tree_equals_branches(backend, samples, objective, attention=AttentionConfig()):
+    config = TrainConfig(objective=objective, attention=attention)
+    tree = compute_micro_step(backend, tree_batch(samples), config)
+    flat = compute_micro_step(backend, branch_batch(samples), TrainConfig(objective=objective))
+    assert tree.n_tokens < flat.n_tokens
+    assert abs(tree.loss_sum - flat.loss_sum) <= 1e-5
+    assert float(tree.gradient.abs().max()) > 1e-4  # a real gradient, not zeros
+    assert torch.allclose(tree.gradient, flat.gradient, atol=1e-5, rtol=0)
+    assert tree.stats["clip_fraction"] == pytest.approx(flat.stats["clip_fraction"], abs=1e-6)
+
+
+@pytest.mark.parametrize("objective", [UNCLIPPED, ObjectiveConfig(), ObjectiveConfig(tis_cap=2.0, kl_coef=0.1)],
+                         ids=["unclipped", "clipped", "tis+kl"])
+def test_torch_tree_equals_branches(torch_backend, samples, objective):
+    _assert_tree_equals_branches(torch_backend, with_behaviour(samples, torch_backend), objective)
+
+
+def test_torch_block_sparse_tree_equals_branches(torch_backend, samples):
+    attention = AttentionConfig(mode="blocks", block_size=32)
+    _assert_tree_equals_branches(torch_backend, with_behaviour(samples, torch_backend), ObjectiveConfig(), attention)
+
+
+@pytest.mark.parametrize("mode", ["dense", "blocks"])
+def test_megatron_tree_equals_branches(megatron_backend, samples, mode):
+    attention = AttentionConfig(mode=mode, block_size=32)
+    _assert_tree_equals_branches(megatron_backend, with_behaviour(samples, megatron_backend), ObjectiveConfig(),
+                                 attention)
+
+
+def test_backends_give_the_same_logprobs_from_one_checkpoint(torch_backend, megatron_backend, samples):
+    batch = tree_batch(samples)
+    with torch.no_grad():
+        a = torch_backend.target_logprobs(batch, AttentionConfig())
+        b = megatron_backend.target_logprobs(batch, AttentionConfig())
+    assert torch.allclose(a, b, atol=1e-5)
+    back = megatron_backend.hf_state_dict()
+    for name, tensor in torch_backend.hf_state_dict().items():
+        assert torch.equal(back[name], tensor), name
+
+
+def test_megatron_rope_uses_packed_positions(megatron_backend):
+    """A branch after a sibling must see position = depth, not its packed index."""
+    p = two_branch_tree()
+    tree = tree_batch([(p, 1.0)])
+    flat = branch_batch([(p, 1.0)])
+    with torch.no_grad():
+        a = megatron_backend.target_logprobs(tree, AttentionConfig())
+        b = megatron_backend.target_logprobs(flat, AttentionConfig())
+    # tree targets 30 31 32 are the second branch's last three tokens in the flat batch
+    assert torch.allclose(a[4:], b[-3:], atol=1e-5)

@@ -1,0 +1,314 @@
+"""Transfer scenarios, each run in its own process inside a private network namespace
+(``_netns.run_scenario``); each prints one JSON line of findings for the tests to assert.
+
+``python -m tests.transfer.scenarios NAME '{"backend": "mooncake"}'``
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+
+
+def _error(fn) -> str | None:
+    try:
+        fn()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+# -- port contract: two processes, one backend ----------------------------------------------
+
+
+def _owner(backend: str, out: mp.Queue, inbox: mp.Queue) -> None:
+    from libs.common.transfer.default import open_agent
+
+    agent = open_agent(prefer=backend)
+    data = np.random.default_rng(7).integers(0, 256, 16 << 20, dtype=np.uint8)
+    agent.register("kv", data)
+    agent.register("inbox", np.zeros(1 << 20, np.uint8))
+    out.put(agent.descriptor(checksums=True).to_json())
+    while (msg := inbox.get()) != "stop":
+        if msg == "inbox-sha":
+            out.put(hashlib.sha256(agent.view("inbox").tobytes()).hexdigest())
+        elif msg == "corrupt":
+            agent.view("kv")[12345] ^= 0xFF
+            out.put("done")
+    agent.close()
+
+
+def contract(backend: str) -> dict:
+    import torch
+
+    from libs.common.transfer.default import open_agent
+    from libs.common.transfer.port import (ChecksumMismatch, PeerDescriptor, TransferFailed, TransferTimeout,
+                                           split_blocks, verify_blocks)
+
+    ctx = mp.get_context("spawn")
+    out, inbox = ctx.Queue(), ctx.Queue()
+    owner = ctx.Process(target=_owner, args=(backend, out, inbox), daemon=True)
+    owner.start()
+    peer = PeerDescriptor.from_json(json.loads(json.dumps(out.get(timeout=60))))  # as over the wire
+    agent = open_agent(prefer=backend)
+    r: dict = {"backend": agent.backend, "peer_backend": peer.backend}
+    stage = torch.zeros(16 << 20, dtype=torch.uint8)  # a tensor region
+    agent.register("stage", stage)
+    agent.register("ones", np.full(1 << 20, 1, np.uint8))
+    rep = agent.read(peer, split_blocks("stage", "kv", 16 << 20, 256 << 10))
+    r["read_blocks"], r["read_bytes"], r["read_gb_s"] = rep.blocks, rep.nbytes, rep.gb_s
+    r["read_verify"] = _error(lambda: verify_blocks(agent.view("stage"), peer.region("kv").checksums))
+    agent.write(peer, split_blocks("ones", "inbox", 1 << 20, 4096))
+    inbox.put("inbox-sha")
+    r["write_ok"] = out.get(timeout=30) == hashlib.sha256(np.full(1 << 20, 1, np.uint8).tobytes()).hexdigest()
+    bad = split_blocks("stage", "kv", 1 << 20, 1 << 20, remote_offset=(16 << 20) - 100)
+    r["overrun"] = _error(lambda: agent.read(peer, bad))
+    r["unknown_region"] = _error(lambda: agent.read(peer, split_blocks("stage", "nope", 10, 10)))
+    other = PeerDescriptor("ucx" if backend == "mooncake" else "mooncake", peer.endpoint, peer.regions)
+    r["wrong_backend"] = _error(lambda: agent.read(other, split_blocks("stage", "kv", 10, 10)))
+    inbox.put("corrupt")
+    out.get(timeout=30)
+    stage.zero_()
+    agent.read(peer, split_blocks("stage", "kv", 16 << 20, 1 << 20))
+    r["corruption"] = _error(lambda: verify_blocks(agent.view("stage"), peer.region("kv").checksums))
+    r["corruption_is_mismatch"] = isinstance(_raise_of(lambda: verify_blocks(agent.view("stage"), peer.region("kv").checksums)), ChecksumMismatch)
+    os.kill(owner.pid, signal.SIGSTOP)  # a peer that stops answering
+    t0 = time.perf_counter()
+    exc = _raise_of(lambda: agent.read(peer, split_blocks("stage", "kv", 16 << 20, 256 << 10), timeout_s=2.0))
+    r["stalled"] = f"{type(exc).__name__}: {exc}" if exc else None
+    r["stalled_is_timeout"] = isinstance(exc, TransferTimeout)
+    r["stalled_s"] = time.perf_counter() - t0
+    os.kill(owner.pid, signal.SIGCONT)
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.join(10)
+    t0 = time.perf_counter()
+    exc = _raise_of(lambda: agent.read(peer, split_blocks("stage", "kv", 1 << 20, 256 << 10), timeout_s=5.0))
+    r["dead_peer"] = f"{type(exc).__name__}: {exc}" if exc else None
+    r["dead_peer_is_failure"] = isinstance(exc, TransferFailed)
+    r["dead_peer_s"] = time.perf_counter() - t0
+    return r
+
+
+def _raise_of(fn):
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
+
+
+# -- weight pull: core publishes in one process, a satellite pulls in another -----------------
+
+
+def _core(backend: str, out: mp.Queue, inbox: mp.Queue) -> None:
+    import torch
+
+    from libs.common.transfer.default import open_agent
+    from libs.common.transfer.weights import publish_weights, unpublish_weights
+
+    agent = open_agent(prefer=backend)
+    g = torch.Generator().manual_seed(3)
+    named = {"embed.weight": torch.randn(1000, 128, generator=g),
+             "layers.0.q.weight": torch.randn(128, 128, generator=g).to(torch.bfloat16),
+             "layers.0.norm": torch.randn(128, generator=g),
+             "step": torch.tensor(42, dtype=torch.int64),
+             "odd": torch.randn(3, 5, 7, generator=g).transpose(0, 2)}  # non-contiguous source
+    desc = publish_weights(named, version="v3", agent=agent, checksums=True)
+    digests = {k: hashlib.sha256(v.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+               for k, v in named.items()}
+    with torch.no_grad():
+        named["embed.weight"].add_(1.0)  # training goes on: the snapshot must not change
+    out.put((desc.to_json(), digests))
+    assert inbox.get() == "unpublish"
+    unpublish_weights(desc, agent=agent)
+    out.put("done")
+    assert inbox.get() == "stop"
+    agent.close()
+
+
+def weights(backend: str) -> dict:
+    import torch
+
+    from libs.common.transfer.default import open_agent
+    from libs.common.transfer.weights import WeightsDescriptor, pull_weights
+
+    ctx = mp.get_context("spawn")
+    out, inbox = ctx.Queue(), ctx.Queue()
+    core = ctx.Process(target=_core, args=(backend, out, inbox), daemon=True)
+    core.start()
+    payload, digests = out.get(timeout=60)
+    desc = WeightsDescriptor.from_json(json.loads(json.dumps(payload)))
+    agent = open_agent(prefer=backend)
+    t0 = time.perf_counter()
+    tensors = pull_weights(desc, agent=agent)
+    r: dict = {"pull_s": time.perf_counter() - t0, "version": desc.version, "names": sorted(tensors)}
+    r["identical"] = all(
+        hashlib.sha256(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()).hexdigest() == digests[k]
+        for k, t in tensors.items())
+    r["dtypes"] = {k: str(t.dtype) for k, t in tensors.items()}
+    r["shapes"] = {k: list(t.shape) for k, t in tensors.items()}
+    r["left_registered"] = agent.names()
+    inbox.put("unpublish")
+    out.get(timeout=30)
+    gone = _raise_of(lambda: pull_weights(desc, agent=agent, timeout_s=5))
+    r["after_unpublish"] = f"{type(gone).__name__}: {gone}" if gone else None
+    inbox.put("stop")
+    core.join(20)
+    return r
+
+
+# -- KV migration between two embedded engines ---------------------------------------------------
+
+
+def migration(backend: str, other_backend: str | None = None) -> dict:
+    return asyncio.run(_migration(backend, other_backend))
+
+
+async def _migration(backend: str, other_backend: str | None) -> dict:
+    from libs.common.bus.memory import InMemoryBus
+    from libs.common.events import Context
+    from libs.common.transfer.default import open_agent
+    from libs.common.transfer.kv import migrate_session
+    from tests.transfer._engines import cell, greedy, start_engine
+
+    source, target = start_engine(), start_engine()
+    src_port = source.attach(open_agent(prefer=backend))
+    dst_port = target.attach(open_agent(prefer=other_backend or backend))
+    a, b = cell("A", source), cell("B", target)
+    r: dict = {"agents": [src_port.agent.backend, dst_port.agent.backend]}
+    try:
+        prompt = list(range(1000, 1600))
+        first = await a.engine.generate(prompt, greedy(24))
+        history = prompt + first["output_ids"]
+        turn = history + list(range(2000, 2040))
+        bus = InMemoryBus()
+        result = await migrate_session(a, b, history, session_id="s-1", run_id="run1", bus=bus,
+                                       reason="drain", verify=True)
+        r["result"] = {k: v for k, v in result.__dict__.items() if k != "seconds"}
+        on_target = await b.engine.generate(turn, greedy(16))
+        on_source = await a.engine.generate(turn, greedy(16))
+        r["cached_on_target"] = on_target["meta_info"]["cached_tokens"]
+        r["cached_on_source"] = on_source["meta_info"]["cached_tokens"]
+        r["history_tokens"] = len(history)
+        r["logprobs_identical"] = _logprobs(on_target) == _logprobs(on_source)
+        r["outputs_identical"] = on_target["output_ids"] == on_source["output_ids"]
+        events = [d.event async for d in bus.read(Context.CALLS)]
+        r["events"] = [e.model_dump(mode="json", include={"session_id", "from_cell", "to_cell", "kv",
+                                                           "migrated_tokens", "reason"}) for e in events]
+        r["source_offers_left"] = [n for n in src_port.agent.names() if n.startswith("kv-")]
+        r["target_regions_left"] = dst_port.agent.names()
+    finally:
+        for c in (a, b):
+            await c.aclose()
+        source.close()
+        target.close()
+    return r
+
+
+def _logprobs(response: dict) -> list:
+    return [lp for lp, _, _ in response["meta_info"]["output_token_logprobs"]]
+
+
+def failures(backend: str) -> dict:
+    return asyncio.run(_failures(backend))
+
+
+async def _failures(backend: str) -> dict:
+    """Corrupted offer (refused whole), port refused (HTTP fallback), stale weights (re-prefill)."""
+    from libs.common.transfer.default import open_agent
+    from libs.common.transfer.kv import migrate_session
+    from libs.common.transfer.port import PeerDescriptor
+    from tests.transfer._engines import cell, greedy, start_engine
+
+    source, target = start_engine(), start_engine()
+    src_port = source.attach(open_agent(prefer=backend))
+    dst_port = target.attach(open_agent(prefer=backend))
+    a, b = cell("A", source), cell("B", target)
+    r: dict = {}
+    try:
+        prompt = list(range(3000, 3400))
+        first = await a.engine.generate(prompt, greedy(8))
+        history = prompt + first["output_ids"]
+        offer = await a.kv_offer(history, checksums=True)
+        lease = PeerDescriptor.from_json(offer).meta["lease"]
+        src_port.agent.view(lease)[4096] ^= 0x01  # one flipped bit after the checksums were taken
+        before = target.engine.prefix_cache.cached_tokens
+        r["corrupt_fetch"] = await _error_async(b.kv_fetch(offer, verify=True))
+        r["corrupt_imported_tokens"] = target.engine.prefix_cache.cached_tokens - before
+        await a.kv_release(lease)
+        r["offers_left"] = [n for n in src_port.agent.names() if n.startswith("kv-")]
+
+        other = "mooncake" if backend == "ucx" else "ucx"
+        own_agent, dst_port._agent = dst_port._agent, open_agent(prefer=other)  # target runs another library
+        http = await migrate_session(a, b, history, session_id="s-http")
+        r["http"] = {"kv": http.kv, "path": http.path, "migrated_tokens": http.migrated_tokens,
+                     "errors": list(http.errors)}
+        after_http = await b.engine.generate(history + [77, 78], greedy(4))
+        r["http_cached"] = after_http["meta_info"]["cached_tokens"]
+
+        dst_port._agent = own_agent
+        target.engine.weight_version = "other"  # the target runs different weights: KV would be stale
+        target.engine.call(target.engine.prefix_cache.flush).result(10)
+        stale = await migrate_session(a, b, history, session_id="s-stale")
+        r["stale"] = {"kv": stale.kv, "path": stale.path, "errors": list(stale.errors)}
+        after = await b.engine.generate(history + [5, 6], greedy(4))
+        r["stale_next_call_cached"] = after["meta_info"]["cached_tokens"]
+        r["stale_next_call_tokens"] = len(after["output_ids"])
+    finally:
+        for c in (a, b):
+            await c.aclose()
+        source.close()
+        target.close()
+    return r
+
+
+async def _error_async(coro) -> str | None:
+    try:
+        await coro
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def choice(backend: str) -> dict:
+    """What the embedded default picks, pinned and unpinned, and how it says so."""
+    import logging
+
+    from libs.common.transfer import default
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("libs.common.transfer.default").addHandler(handler)
+    logging.getLogger("libs.common.transfer.default").setLevel(logging.INFO)
+    r: dict = {"default": default.open_agent().backend}
+    os.environ["GYRE_TRANSFER_BACKEND"] = backend
+    r["pinned"] = default.open_agent().backend
+    del os.environ["GYRE_TRANSFER_BACKEND"]
+    r["unknown"] = _error(lambda: default.open_agent(prefer="carrier-pigeon"))
+    probe = default.probe()
+    r["probe"] = {"backend": probe.backend, "skipped": probe.skipped}
+    r["log"] = records
+    return r
+
+
+def bench(**opts) -> dict:
+    from libs.common.transfer.bench import run_bench
+
+    return run_bench(**opts)
+
+
+if __name__ == "__main__":
+    mp.set_start_method("spawn", force=True)
+    name, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}
+    print(json.dumps(globals()[name](**args), default=str), flush=True)
+    sys.stdout.flush()
+    os._exit(0)  # library threads (Mooncake, UCX) need not be joined
