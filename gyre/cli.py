@@ -38,18 +38,47 @@ def _logging(settings: GyreSettings) -> None:
 
 @app.command()
 def up(
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="run-config overrides: key.path=value")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="run config YAML")] = None,
     run_dir: RunDir = None,
-    run_id: Annotated[Optional[str], typer.Option(help="run id [GYRE_RUN_ID]")] = None,
-    check: Annotated[bool, typer.Option("--check", help="exit 0 as soon as every service is healthy")] = False,
-    duration: Annotated[float, typer.Option(help="stop after this many seconds (0 = until Ctrl-C)")] = 0.0,
-    cells: Annotated[int, typer.Option(min=0, max=16, help="embedded engine cells (c0 is the core cell)")] = 2,
+    run_id: Annotated[Optional[str], typer.Option(help="run id (run.id)")] = None,
+    check: Annotated[bool, typer.Option("--check", help="start the stack, exit 0 once every service is healthy")] = False,
+    duration: Annotated[float, typer.Option(help="stop after this many seconds (0 = when the steps are done)")] = 0.0,
+    cells: Annotated[Optional[int], typer.Option(min=0, max=16, help="engine cells (cells.count); c0 is the core")] = None,
+    json_summary: Annotated[Optional[Path], typer.Option(help="write the run's summary figures here as JSON")] = None,
 ) -> None:
-    """Start the embedded stack (NATS, database, services, cells, scheduler) and show its live status."""
+    """Start the embedded stack and run the RL steps of the run config, with live status;
+    the report goes to runs/<run>/report.html."""
     from gyre.up import run_up
+    from libs.common.runconfig import RunConfigError, load_run_config
 
-    settings = _settings(run_dir=run_dir, run_id=run_id)
+    extra = list(overrides or [])
+    if run_id:
+        extra.append(f"run.id={run_id}")
+    if cells is not None:
+        extra.append(f"cells.count={cells}")
+    try:
+        cfg = load_run_config(config, extra)
+    except RunConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    folder = run_dir or cfg.run_dir
+    settings = _settings(run_dir=folder, run_id=cfg.run.id, nats_url=cfg.bus.nats_url,
+                         database_url=cfg.storage.database_url)
     _logging(settings)
-    raise typer.Exit(run_up(settings, check=check, duration=duration, cells=cells))
+    raise typer.Exit(run_up(settings, cfg, check=check, duration=duration, json_summary=json_summary))
+
+
+@app.command()
+def report(
+    run: Annotated[str, typer.Argument(help="run id (its folder is runs/<run>)")],
+    runs_dir: Annotated[Path, typer.Option(help="where run folders are")] = Path("runs"),
+) -> None:
+    """Rebuild a run's report (report.html, PNGs, report.json) from its event log alone."""
+    from gyre.up import rebuild_report
+
+    path = asyncio.run(rebuild_report(_settings(run_id=run, run_dir=runs_dir / run)))
+    typer.echo(str(path))
 
 
 @app.command()

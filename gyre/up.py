@@ -16,8 +16,10 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -30,6 +32,7 @@ from libs.common.bus.jetstream import JetStreamBus
 from libs.common.db.engine import upgrade
 from libs.common.events import RunStarted
 from libs.common.natsserver import EmbeddedNats, free_port
+from libs.common.runconfig import RunConfig
 from libs.common.settings import GyreSettings
 
 SECRET_KEYS = {"admin_token", "nats_creds"}
@@ -60,12 +63,19 @@ class Launch:
     stage: int  # started once every process of the stages before is healthy
 
 
-def plan_stack(cells: int, admin_token: str) -> list[Launch]:
-    """The embedded stack: services, ``cells`` embedded engine cells with their agents,
-    and the scheduler that switches them (cell c0 is the core cell)."""
+def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
+    """The embedded stack: services, ``cells.count`` embedded engine cells with their
+    agents, and the scheduler that switches them (cell c0 is the core cell)."""
+    cells = cfg.cells.count
     proxy_port = free_port()
     proxy_url = f"http://127.0.0.1:{proxy_port}"
-    common = {"GYRE_ADMIN_TOKEN": admin_token}
+    tasks_dir = str((cfg.tasks.dir or Path(__file__).resolve().parent.parent / "tasks").resolve())
+    common = {"GYRE_ADMIN_TOKEN": admin_token, "GYRE_MODEL": cfg.model.name,
+              "GYRE_POLICY_MODEL": cfg.model.policy_name, "GYRE_EVALUATOR_TASKS_DIR": tasks_dir,
+              "GYRE_SCHEDULER_POLICY": cfg.cells.policy, "GYRE_SCHEDULER_HOLD_S": str(cfg.cells.hold_s),
+              "GYRE_SCHEDULER_MIN_DWELL_S": str(cfg.cells.min_dwell_s),
+              "GYRE_SCHEDULER_SMOOTHING_S": str(cfg.cells.smoothing_s),
+              "GYRE_SCHEDULER_TICK_S": str(cfg.cells.tick_s)}
     plan = [Launch("projector", "projector", free_port(), common, 0),
             Launch("proxy", "proxy", proxy_port, common, 0),
             Launch("trajectory", "trajectory", free_port(), common, 0),
@@ -73,7 +83,8 @@ def plan_stack(cells: int, admin_token: str) -> list[Launch]:
     for i in range(cells):
         port = free_port()
         plan.append(Launch(f"engine-c{i}", "engine", port,
-                           {**common, "GYRE_ENGINE_ADMIN_TOKEN": admin_token, "GYRE_ENGINE_NUM_THREADS": "1"}, 0))
+                           {**common, "GYRE_ENGINE_ADMIN_TOKEN": admin_token, "GYRE_ENGINE_NUM_THREADS": "1",
+                            "GYRE_ENGINE_MODEL": cfg.model.name}, 0))
         plan.append(Launch(f"cell-c{i}", "cell", free_port(),
                            {**common, "GYRE_CELL_NAME": f"c{i}", "GYRE_CELL_ENGINE_URL": f"http://127.0.0.1:{port}",
                             "GYRE_PROXY_URL": proxy_url, "GYRE_CELL_CORE": "1" if i == 0 else "0"}, 1))
@@ -82,17 +93,17 @@ def plan_stack(cells: int, admin_token: str) -> list[Launch]:
     return plan
 
 
-def resolved_config(settings: GyreSettings) -> dict[str, Any]:
+def resolved_config(settings: GyreSettings, cfg: RunConfig) -> dict[str, Any]:
+    """The run config as validated, plus where the services found NATS and the database."""
     data = settings.model_dump(mode="json")
     for key in SECRET_KEYS:
         if data.get(key):
             data[key] = "***"
-    data["services"] = sorted(SERVICES)
-    return data
+    return {**cfg.model_dump(mode="json"), "settings": data, "services": sorted(SERVICES)}
 
 
-async def _record_run_started(settings: GyreSettings) -> None:
-    config = resolved_config(settings)
+async def _record_run_started(settings: GyreSettings, cfg: RunConfig) -> None:
+    config = resolved_config(settings, cfg)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
     bus = await JetStreamBus.connect(settings.nats_url or "", name="gyre-up")
     try:
@@ -129,7 +140,7 @@ def _poll(children: list[Child], client: httpx.Client) -> None:
             c.health["status"] = "ok"  # SGLang-style engines answer 200 with no body
 
 
-def _table(settings: GyreSettings, nats_url: str, children: list[Child]) -> Table:
+def _table(settings: GyreSettings, nats_url: str, children: list[Child], job: "MainJob | None" = None) -> Table:
     t = Table(title=f"gyre up · run {settings.run_id} · {settings.run_dir}", expand=False)
     for col in ("service", "state", "pid", "port", "detail"):
         t.add_column(col)
@@ -140,6 +151,8 @@ def _table(settings: GyreSettings, nats_url: str, children: list[Child]) -> Tabl
         colour = "green" if c.state == "ok" else "yellow" if c.state == "starting" else "red"
         t.add_row(c.name, f"[{colour}]{c.state}[/]", str(c.proc.pid), str(c.port),
                   " ".join(f"{k}={v}" for k, v in detail.items())[:90])
+    if job is not None:
+        t.caption = job.progress.row()
     return t
 
 
@@ -155,7 +168,8 @@ def _admin_token(settings: GyreSettings) -> str:
     return token
 
 
-def run_up(settings: GyreSettings, *, check: bool = False, duration: float = 0.0, cells: int = 2) -> int:
+def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, duration: float = 0.0,
+           json_summary: Path | None = None) -> int:
     console = Console(stderr=check)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     log_dir = settings.run_dir / "logs"
@@ -174,12 +188,16 @@ def run_up(settings: GyreSettings, *, check: bool = False, duration: float = 0.0
     signal.signal(signal.SIGTERM, _stop)
     try:
         upgrade(settings.sqlalchemy_url)
-        asyncio.run(_record_run_started(settings))
+        asyncio.run(_record_run_started(settings, cfg))
         env = {**os.environ, "GYRE_NATS_URL": settings.nats_url or "", "GYRE_RUN_ID": settings.run_id,
                "GYRE_RUN_DIR": str(settings.run_dir), "GYRE_DATABASE_URL": settings.sqlalchemy_url}
-        plan = plan_stack(cells, _admin_token(settings))
-        return _watch(settings, plan, children, env, console, check=check, duration=duration,
-                      stopping=lambda: stopping)
+        plan = plan_stack(cfg, _admin_token(settings))
+        job = None if check else MainJob(cfg, settings.nats_url or "", proxy_url(plan))
+        code = _watch(settings, plan, children, env, console, check=check, duration=duration,
+                      stopping=lambda: stopping, job=job)
+        if job is not None:
+            code = job.finish(settings, json_summary, console) or code
+        return code
     except KeyboardInterrupt:
         return 0
     finally:
@@ -195,8 +213,80 @@ def run_up(settings: GyreSettings, *, check: bool = False, duration: float = 0.0
             nats.stop()
 
 
+def proxy_url(plan: list[Launch]) -> str:
+    return next(f"http://127.0.0.1:{launch.port}" for launch in plan if launch.service == "proxy")
+
+
+class MainJob:
+    """The RL steps, run in a thread of their own once the stack is healthy."""
+
+    def __init__(self, cfg: RunConfig, nats_url: str, proxy: str) -> None:
+        from gyre.run import Progress
+
+        self.cfg, self.nats_url, self.proxy = cfg, nats_url, proxy
+        self.progress = Progress(steps=cfg.run.steps)
+        self.thread: threading.Thread | None = None
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        from gyre.run import run_steps
+
+        def target() -> None:
+            try:
+                asyncio.run(run_steps(self.cfg, self.nats_url, self.proxy, self.progress,
+                                      trainer_running="trainer" in SERVICES))
+            except BaseException as exc:  # shown by finish(); the stack is stopped either way
+                self.error = exc
+                self.progress.status = f"failed: {exc!r}"
+
+        self.thread = threading.Thread(target=target, name="gyre-main-job", daemon=True)
+        self.thread.start()
+
+    @property
+    def done(self) -> bool:
+        return self.thread is not None and not self.thread.is_alive()
+
+    def finish(self, settings: GyreSettings, json_summary: Path | None, console: Console) -> int:
+        from gyre.run import summary
+
+        try:
+            path = asyncio.run(rebuild_report(settings))
+            facts = json.loads((path.parent / "report.json").read_text())
+            console.print(f"report: {path}")
+        except Exception as exc:  # the summary is still written
+            console.print(f"[red]report failed: {exc!r}[/]")
+            facts = {}
+        result = summary(self.progress, role_switches=facts.get("role_switches", 0),
+                         agent_errors=facts.get("harness_failures", 0) + facts.get("undelivered_calls", 0))
+        if json_summary is not None:
+            json_summary.write_text(json.dumps(result, indent=2))
+        console.print(json.dumps(result))
+        return 1 if self.error is not None else 0
+
+
+async def rebuild_report(settings: GyreSettings) -> Path:
+    """The report of ``settings.run_id`` from its log (the embedded store when no NATS URL)."""
+    from gyre.report import collect, write_report
+
+    nats = None
+    url = settings.nats_url
+    if not url:
+        nats = EmbeddedNats(settings.nats_store_dir).start()
+        url = nats.url
+    try:
+        bus = await JetStreamBus.connect(url, name="gyre-report")
+        try:
+            facts = await collect(bus, settings.run_id)
+        finally:
+            await bus.close()
+    finally:
+        if nats is not None:
+            nats.stop()
+    return write_report(facts, settings.run_dir)
+
+
 def _watch(settings: GyreSettings, plan: list[Launch], children: list[Child], env: dict[str, str],
-           console: Console, *, check: bool, duration: float, stopping: Any) -> int:
+           console: Console, *, check: bool, duration: float, stopping: Any, job: MainJob | None = None) -> int:
     start = time.monotonic()
     log_dir = settings.run_dir / "logs"
     waiting = sorted(plan, key=lambda launch: launch.stage)
@@ -207,11 +297,15 @@ def _watch(settings: GyreSettings, plan: list[Launch], children: list[Child], en
             while waiting and waiting[0].stage == stage and (ready or not children):
                 children.append(_spawn(waiting.pop(0), env, log_dir))
             _poll(children, client)
-            live.update(_table(settings, settings.nats_url or "", children))
+            live.update(_table(settings, settings.nats_url or "", children, job))
             healthy = not waiting and all(c.state == "ok" for c in children)
+            if job is not None and healthy and job.thread is None:
+                job.start()
+            if job is not None and job.done:
+                return 0
             exited = [c for c in children if c.proc.poll() is not None]
             if exited:
-                live.update(_table(settings, settings.nats_url or "", children))
+                live.update(_table(settings, settings.nats_url or "", children, job))
                 for c in exited:
                     log = settings.run_dir / "logs" / f"{c.name}.log"
                     tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []

@@ -186,6 +186,7 @@ class Engine:
         for seq in aborted:
             self._complete(seq)
         for seq in retracted:
+            seq.retractions += 1
             self._drop_kv(seq, keep_in_cache=True)
         self._run_idle_actions()
         return len(aborted) + len(retracted)
@@ -331,8 +332,9 @@ class Engine:
             "cached_tokens": seq.cached_tokens,
             "weight_version": seq.version_spans[-1][1] if seq.version_spans else self.weight_version,
             "e2e_latency": time.monotonic() - started,
-            # Gyre extension: the version that produced each run of output tokens.
-            "weight_version_spans": [list(span) for span in seq.version_spans],
+            # the version that produced each run of output tokens, as SGLang 0.5.23 reports it
+            "weight_versions": _version_runs(seq.version_spans, len(seq.output_ids)),
+            "num_retractions": seq.retractions,
         }
         if seq.return_logprob:
             meta["input_token_logprobs"] = []
@@ -357,6 +359,11 @@ class Engine:
             "generated_tokens": self.generated_tokens,
             "released": sorted(self.released),
         }
+
+
+def _version_runs(spans: list[tuple[int, str]], produced: int) -> list[dict]:
+    ends = [start for start, _ in spans[1:]] + [produced]
+    return [{"version": version, "start": start, "end": end} for (start, version), end in zip(spans, ends)]
 
 
 def _resolve(future: Future, fn: Callable[[], Any]) -> None:

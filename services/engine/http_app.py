@@ -78,6 +78,7 @@ def _serving_routes(app: FastAPI, settings: EngineSettings, engine: Engine) -> N
         cfg = engine.runner.model.config
         return {
             "model_path": settings.model,
+            "served_model_name": settings.model,
             "tokenizer_path": str(engine.runner.location.folder),
             "is_generation": True,
             "preferred_sampling_params": None,
@@ -131,12 +132,12 @@ def _control_routes(app: FastAPI, engine: Engine, admin) -> None:
         except ValueError:
             raise InvalidRequest(f"mode must be one of abort, retract, in_place; got {raw!r}") from None
         count = await engine.acall(lambda: engine.pause(mode))
-        return {"success": True, "message": f"paused ({mode.value})", "num_paused_requests": count}
+        return {"success": True, "status": "ok", "message": f"paused ({mode.value})", "num_paused_requests": count}
 
     @app.post("/continue_generation", dependencies=[admin])
     async def continue_generation(request: Request) -> dict:
         await engine.acall(engine.resume)
-        return {"success": True, "message": "continued"}
+        return {"success": True, "status": "ok", "message": "continued"}
 
 
 def _weight_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin) -> None:

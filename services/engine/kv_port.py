@@ -15,7 +15,8 @@ The agent is this process's embedded default (``libs.common.transfer.default``),
 on first use. ``attach(service)`` adds the routes to a built engine service;
 ``http_app.create_app`` should call ``add_routes`` (see the transfer report).
 :class:`PortCellClient` is the scheduler's handle on a cell for
-``libs.common.transfer.kv.migrate_session``.
+``libs.common.transfer.kv.migrate_session``; :class:`PortKvMover` plugs the same path into
+the proxy's ``evacuate`` (``service.kv_mover``).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from typing import Any
 import httpx
 from fastapi import Depends, FastAPI, Request
 
-from libs.common.transfer.kv import fetch_kv, offer_kv, release_kv
-from libs.common.transfer.port import PeerDescriptor, TransferAgent
+from libs.common.transfer.kv import MigrationResult, fetch_kv, migrate_session, offer_kv, release_kv
+from libs.common.transfer.port import PeerDescriptor, TransferAgent, TransferFailed
 
 from .client import CellError, EngineClient
 from .engine import Engine
@@ -145,11 +146,16 @@ def add_routes(app: FastAPI, port: KVPort, admin) -> None:
 
 
 def attach(service, agent: TransferAgent | None = None) -> KVPort:
-    """Adds the port routes to a built ``main.EngineService`` (until ``create_app`` does it)."""
+    """Adds the KV and weight-pull port routes to a built ``main.EngineService`` (until
+    ``create_app`` does it); both share one transfer agent."""
     from .http_app import _admin_guard
 
+    from . import weights_port
+
     port = KVPort(service.engine, agent)
-    add_routes(service.app, port, Depends(_admin_guard(service.settings)))
+    admin = Depends(_admin_guard(service.settings))
+    add_routes(service.app, port, admin)
+    weights_port.add_routes(service.app, service.weights, lambda: port.agent, admin)
     service.kv_port = port
     return port
 
@@ -157,16 +163,23 @@ def attach(service, agent: TransferAgent | None = None) -> KVPort:
 class PortCellClient:
     """One cell as ``migrate_session`` sees it: port routes plus the HTTP export/import fallback."""
 
-    def __init__(self, name: str, base_url: str, *, admin_token: str | None = None, timeout: float = 600.0,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+    def __init__(self, name: str, base_url: str = "", *, admin_token: str | None = None, timeout: float = 600.0,
+                 transport: httpx.AsyncBaseTransport | None = None, engine: EngineClient | None = None) -> None:
         self.name = name
-        self.engine = EngineClient(base_url, admin_token=admin_token, timeout=timeout, transport=transport)
-        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
-        self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
+        self._owned = engine is None
+        self.engine = engine or EngineClient(base_url, admin_token=admin_token, timeout=timeout, transport=transport)
+        # The engine client's own connection (base URL, admin token): see the report's note on
+        # EngineClient growing kv_offer / kv_fetch / kv_release so this reaches no private field.
+        self._http: httpx.AsyncClient = self.engine._http
+
+    @classmethod
+    def wrap(cls, name: str, engine: EngineClient) -> "PortCellClient":
+        """A view of an existing client (the proxy's ``service.clients[cell]``); closing it is the owner's job."""
+        return cls(name, engine=engine)
 
     async def aclose(self) -> None:
-        await self._http.aclose()
-        await self.engine.aclose()
+        if self._owned:
+            await self.engine.aclose()
 
     async def generate(self, input_ids: list[int], sampling_params: dict | None = None) -> dict:
         return await self.engine.generate(input_ids, sampling_params)
@@ -194,3 +207,22 @@ class PortCellClient:
         if response.status_code >= 400:
             raise CellError(response.status_code, response.text)
         return response.json()
+
+
+class PortKvMover:
+    """The proxy's ``KvMover`` (``services/proxy/migration.evacuate``) over the transfer port:
+    port first, the engines' HTTP export/import as fallback; raises when neither worked, so
+    the proxy records a re-prefill (it publishes ``SessionRerouted`` itself)."""
+
+    def __init__(self, *, verify: bool | None = None, timeout_s: float = 60.0) -> None:
+        self.verify, self.timeout_s = verify, timeout_s
+        self.last: MigrationResult | None = None  # which path the newest move took, for logs and tests
+
+    async def move(self, source: EngineClient, target: EngineClient, input_ids: list[int]) -> int:
+        result = await migrate_session(PortCellClient.wrap("source", source), PortCellClient.wrap("target", target),
+                                       input_ids, session_id="evacuation", verify=self.verify,
+                                       timeout_s=self.timeout_s)
+        self.last = result
+        if result.kv != "migrated":
+            raise TransferFailed("; ".join(result.errors) or "nothing migrated")
+        return result.migrated_tokens

@@ -55,6 +55,7 @@ class Sequence:
     kv_len: int = 0  # leading tokens of all_ids whose KV this sequence holds
     cached_tokens: int = 0  # prompt tokens served from the prefix cache at (first) admission
     admitted_once: bool = False
+    retractions: int = 0
     phase: Phase = Phase.WAITING
     finish_reason: dict | None = None
     stop_text: str | None = None  # the stop string that ended it, if any

@@ -6,11 +6,12 @@ children. :meth:`SGLangServer.supervise` restarts a server that died or stopped 
 ``/health``. All HTTP calls go through :class:`~services.engine.client.EngineClient`, the
 same client the embedded engine answers.
 
-Version notes (SGLang 0.5.23 checked on a CPU install, see ../shared/notes/sglang-api.md):
-``/begin_weight_update`` and ``/end_weight_update`` need >= 0.5.21. ``--weight-version``
-and ``--admin-api-key`` are passed only when set, since older releases lack them; the GPU
-check script (``gpu_check.py``) verifies the flags against ``launch_server --help``.
-``--enable-memory-saver`` is on by default: release/resume of memory needs it.
+Version notes: every flag below is in SGLang 0.5.23's ``launch_server --help`` (checked
+by ``gpu_check.py``, which also ran all of Gyre's calls against a real 0.5.23 server on
+CPU). ``/begin_weight_update`` and ``/end_weight_update`` need >= 0.5.21.
+``--weight-version`` and ``--admin-api-key`` are passed only when set, since older releases
+lack them. ``--enable-memory-saver`` is on by default (GPU release/resume of memory needs
+it; the CPU engine runs without it).
 """
 
 from __future__ import annotations

@@ -201,6 +201,7 @@ class WeightManager:
     def destroy_group(self, group_name: str | None) -> None:
         if self.group is None or (group_name is not None and group_name != self.group_name):
             raise WeightUpdateError(f"no weight update group {group_name!r}")
+        leave_weight_group(self.group)
         self.group, self._store, self.group_name = None, None, None
 
     # -- memory ------------------------------------------------------------------------
@@ -239,17 +240,37 @@ class WeightManager:
 
 def join_weight_group(master_address: str, master_port: int, rank: int, world_size: int,
                       group_name: str, timeout_s: float = 600.0):
-    """A gloo group over a TCP store, without touching torch's default process group.
+    """A gloo group for weight broadcasts that SGLang servers can join too.
 
-    Both sides use it: the trainer as rank 0 (it hosts the store), each cell with its rank.
-    Returns (group, store); keep both alive while the group is used.
+    Both sides use it: the trainer as rank 0 (it hosts the TCP store), each cell with its
+    rank. It rendezvouses the way SGLang's ``/init_weights_update_group`` does (a TCP store
+    at ``tcp://address:port``, keys under ``group_name``, then torch's own group helper), so
+    one trainer can feed embedded engines and SGLang servers alike; torch's default process
+    group is neither needed nor touched. Returns (group, store); keep both while in use.
     """
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0, timeout=timeout)
-    group = dist.ProcessGroupGloo(dist.PrefixStore(f"{group_name}/", store), rank, world_size, timeout)
+    store, rank, world_size = next(c10d.rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
+                                                   timeout=timeout))
+    store.set_timeout(timeout)
+    # torch's private helper is what SGLang calls; its store key layout is the contract.
+    group, _ = c10d._new_process_group_helper(
+        world_size, rank, [], dist.Backend("gloo"), dist.PrefixStore(group_name, store),
+        group_name=group_name, timeout=timeout,
+    )
+    c10d._world.pg_group_ranks[group] = {i: i for i in range(world_size)}  # lets dist.broadcast(group=) work
     return group, store
+
+
+def leave_weight_group(group) -> None:
+    import torch.distributed as dist
+
+    try:
+        dist.destroy_process_group(group)
+    except (RuntimeError, ValueError, KeyError) as exc:  # already gone: nothing left to free
+        log.debug("destroying weight group: %s", exc)
 
 
 def broadcast_rank0(group, tensor: torch.Tensor) -> None:

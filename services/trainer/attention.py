@@ -29,8 +29,10 @@ Mode = Literal["auto", "dense", "flex", "blocks"]
 @dataclass(frozen=True)
 class AttentionConfig:
     mode: Mode = "auto"
-    dense_max_tokens: int = 2048  # above this, a long tree: flex on GPU, blocks on CPU
-    block_size: int = 128
+    # Above this, a long tree: flex on GPU, blocks on CPU. The dense mask costs s^2 bytes
+    # (64 MB at 8192); SDPA itself tiles on CPU and GPU, so dense stays fast up to there.
+    dense_max_tokens: int = 8192
+    block_size: int = 256
 
 
 def dense_mask(layout: TreeLayout) -> torch.Tensor:
@@ -88,7 +90,7 @@ class TreeAttention:
         self.device = torch.device(device)
         self.mode = self._pick(config.mode)
         self._dense = dense_mask(layout).to(self.device) if self.mode == "dense" else None
-        self._flex = flex_block_mask(layout, config.block_size, self.device) if self.mode == "flex" else None
+        self._flex = flex_block_mask(layout, 128, self.device) if self.mode == "flex" else None
         self._blocks = attention_blocks(layout, config.block_size) if self.mode == "blocks" else None
 
     def _pick(self, mode: Mode) -> str:

@@ -51,7 +51,8 @@ def run_bench(backend: str = "torch", **opts) -> dict:
     for p, adv in samples:
         validate_sample(p, adv, vocab)
     model = _backend(backend, model_cfg, device)
-    samples = [(_on_policy(p, adv, model, config), adv) for p, adv in samples]
+    samples = [(_on_policy(p, adv * (1.0 + 0.5 * k), model, config), adv * (1.0 + 0.5 * k))
+               for k, (p, adv) in enumerate(samples)]
     trees = [tree_batch([s]) for s in samples]
     flats = [branch_batch([s]) for s in samples]
     _run_step(model, trees[:1], config)  # warm-up: first-call allocations
@@ -110,14 +111,14 @@ def _with_advantages(packed: list[PackedTree]) -> list[tuple[PackedTree, float]]
 
 
 def _on_policy(p: PackedTree, adv: float, model, config: TrainConfig) -> PackedTree:
-    """Behaviour logprobs = the model's own (the workload's are synthetic): ratios near 1,
-    so every trained token carries gradient, as in on-policy training."""
+    """Behaviour logprobs = the model's own, give or take 0.1 (the workload's are
+    synthetic): ratios near 1, some clipped, so every token's loss depends on the model."""
     with torch.no_grad():
         lp = model.target_logprobs(tree_batch([(p, adv)]), config.attention).cpu().tolist()
     blp = array("f", p.behaviour_logprobs)
     trained = [i for i, m in enumerate(p.loss_mask) if m]
-    for i, v in zip(trained, lp):
-        blp[i] = v
+    for k, (i, v) in enumerate(zip(trained, lp)):
+        blp[i] = min(0.0, v + (0.1 if k % 3 == 0 else -0.1))
     return replace(p, behaviour_logprobs=blp)
 
 

@@ -22,7 +22,7 @@ class TrainerState:
 def save_checkpoint(folder: Path, state: TrainerState, weights: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"step-{state.weight_version:06d}.pt"
+    path = checkpoint_for_step(folder, state.step)
     tmp = path.with_suffix(".tmp")
     torch.save({"state": vars(state), "weights": {k: v.detach().cpu() for k, v in weights.items()},
                 "optimizer": optimizer.state_dict()}, tmp)
@@ -37,8 +37,9 @@ def latest_checkpoint(folder: Path) -> Path | None:
     return folder / marker.read_text().strip() if marker.is_file() else None
 
 
-def checkpoint_for_version(folder: Path, version: int) -> Path:
-    return folder / f"step-{version:06d}.pt"
+def checkpoint_for_step(folder: Path, step: int) -> Path:
+    """The state at the start of ``step`` (after every earlier step's update)."""
+    return folder / f"step-{step:06d}.pt"
 
 
 def load_checkpoint(path: Path) -> tuple[TrainerState, dict[str, torch.Tensor], dict]:

@@ -20,7 +20,7 @@ import asyncio
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -75,6 +75,8 @@ class CoreTrainer:
             self.backend.load_hf_state_dict(weights)
             self.optimizer.load_state_dict(opt)
             log.info("core resumes at step %d (v%d) from %s", self.state.step, self.state.weight_version, ckpt)
+        elif self.settings.checkpoint_dir:  # step 0's starting point, for replay
+            save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
         self.reducer = StepReducer(self.state.step, self.state.weight_version)
         await self._publish_weights(cause=None)
 
@@ -86,6 +88,9 @@ class CoreTrainer:
         try:
             await stop.wait()
         finally:
+            async with self._lock:  # let a step being applied finish (update, events, checkpoint)
+                for t in tasks:
+                    t.cancel()
             for t in tasks:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
@@ -116,7 +121,11 @@ class CoreTrainer:
             self.state.consumed["training"] = seq
         if ev.step != self.state.step or ev.micro_step in self.reducer.used:
             return  # an applied step's straggler, or a duplicate
-        result = await result_from_done(ev, self.gradients)
+        try:
+            result = await result_from_done(ev, self.gradients)
+        except LookupError as exc:  # e.g. an in-memory gradient lost with a restart: compute it here
+            log.info("core: gradient of %s unavailable (%s); computes it again", ev.micro_step, exc)
+            result = replace(await result_from_done(_without_transfer(ev), self.gradients), weight_version=-1)
         if not self.reducer.add(result):
             log.info("core: drops %s (v%d, current v%d) and computes it again", ev.micro_step,
                      ev.weight_version, self.state.weight_version)
@@ -195,6 +204,10 @@ class CoreWeightSource:
         if version != self.core.state.weight_version:
             raise LookupError(f"the core holds v{self.core.state.weight_version}, not v{version}")
         return {k: v.clone() for k, v in self.core.backend.hf_state_dict().items()}
+
+
+def _without_transfer(ev: MicroStepDone) -> MicroStepDone:
+    return ev.model_copy(update={"gradient": {k: v for k, v in ev.gradient.items() if k != "transfer"}})
 
 
 def _event_id(run_id: str, kind: str, key: int) -> str:

@@ -43,7 +43,27 @@ class InProcessTransfer:
         return {"kind": "memory", "key": key}
 
     async def get(self, descriptor: dict[str, Any]) -> dict[str, torch.Tensor]:
-        return self._items[descriptor["key"]]
+        try:
+            return self._items.pop(descriptor["key"])  # read once, by the core
+        except KeyError:
+            raise LookupError(f"{descriptor['key']} is gone (another process, or a restart)") from None
+
+
+class RoutedTransfer:
+    """Puts through ``primary``; gets by the descriptor's kind (the core reads its own
+    worker's gradients in memory and the satellites' from blobs)."""
+
+    def __init__(self, primary: TensorTransfer, **by_kind: TensorTransfer) -> None:
+        self.primary, self.by_kind = primary, by_kind
+
+    async def put(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return await self.primary.put(tensors)
+
+    async def get(self, descriptor: dict[str, Any]) -> dict[str, torch.Tensor]:
+        kind = descriptor.get("kind")
+        if kind not in self.by_kind:
+            raise LookupError(f"no transfer for {kind!r} descriptors here")
+        return await self.by_kind[kind].get(descriptor)
 
 
 class BlobTransfer:

@@ -110,45 +110,52 @@ class LocalStack:
             self.procs[name] = subprocess.Popen(self.command(name), env=self.environment(name), cwd=self.work / name,
                                                 stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
-    def wait_healthy(self, name: str) -> bool:
-        deadline = time.monotonic() + HEALTHY_WITHIN_S
-        while time.monotonic() < deadline:
-            proc = self.procs[name]
-            if proc.poll() is not None:
-                self.failed[name] = f"exited {proc.returncode}: {self.tail(name)}"
+    def check(self, name: str) -> bool | None:
+        """True once healthy (compose's healthcheck passes, /metrics answers), False when it
+        died, None while still starting."""
+        proc = self.procs[name]
+        if proc.poll() is not None:
+            self.failed[name] = f"exited {proc.returncode}: {self.tail(name)}"
+            return False
+        if subprocess.run(self.healthcheck(name), capture_output=True, timeout=10).returncode != 0:
+            return None
+        if cat.serve_name(self.services[name]["command"]) not in cat.WITHOUT_METRICS:
+            port = self.healthcheck(name)[-1]
+            status = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).status
+            if status != 200:
+                self.failed[name] = f"/metrics answered {status}"
                 return False
-            if subprocess.run(self.healthcheck(name), capture_output=True, timeout=10).returncode == 0:
-                metrics = urllib.request.urlopen(f"http://127.0.0.1:{self.healthcheck(name)[-1]}/metrics", timeout=5)
-                if metrics.status != 200:
-                    self.failed[name] = f"/metrics answered {metrics.status}"
-                    return False
-                self.healthy.append(name)
-                return True
-            time.sleep(0.3)
-        self.failed[name] = f"not healthy within {HEALTHY_WITHIN_S:.0f}s: {self.tail(name)}"
-        return False
+        return True
 
     def run(self, order: list[str]) -> dict:
-        """Start in ``order`` (dependencies first), in waves: all services whose dependencies
-        are healthy start together; then stop everything with SIGTERM."""
+        """Start each service as soon as the services it depends on are healthy (as compose
+        does), wait until all are healthy, then stop everything with SIGTERM."""
         registered = cat.registered_services()
         todo = [n for n in order if n not in ("nats", "postgres")]
         for name in list(todo):
             if cat.serve_name(self.services[name]["command"]) not in registered:
                 self.pending.append(name)
                 todo.remove(name)
-        done = {"nats", "postgres", *self.pending}
-        while todo and not self.failed:
-            wave = [n for n in todo if set(self.services[n].get("depends_on") or {}) <= done]
-            if not wave:
-                self.failed["order"] = f"nothing can start: {todo} wait for {done}"
-                break
-            for name in wave:
+        healthy = {"nats", "postgres", *self.pending}
+        starting: dict[str, float] = {}
+        while (todo or starting) and not self.failed:
+            for name in [n for n in todo if set(self.services[n].get("depends_on") or {}) <= healthy]:
                 self.start(name)
-            for name in wave:
-                self.wait_healthy(name)
-                done.add(name)
+                starting[name] = time.monotonic()
                 todo.remove(name)
+            if not starting:
+                self.failed["order"] = f"nothing can start: {todo} wait for {sorted(healthy)}"
+                break
+            for name, since in list(starting.items()):
+                state = self.check(name)
+                if state is None and time.monotonic() - since > HEALTHY_WITHIN_S:
+                    self.failed[name] = f"not healthy within {HEALTHY_WITHIN_S:.0f}s: {self.tail(name)}"
+                if state is not None or name in self.failed:
+                    del starting[name]
+                if state:
+                    healthy.add(name)
+                    self.healthy.append(name)
+            time.sleep(0.3)
         stopped = self.stop_all()
         return {"healthy": self.healthy, "pending": self.pending, "failed": self.failed, "stopped_cleanly": stopped}
 
@@ -163,7 +170,7 @@ class LocalStack:
             except subprocess.TimeoutExpired:
                 self.failed[name] = f"did not stop within {STOP_WITHIN_S:.0f}s of SIGTERM"
                 continue
-            if code == 0:
+            if code in (0, -signal.SIGTERM):  # ended by the signal it was sent: clean, as systemd counts it
                 clean.append(name)
             elif name not in self.failed:
                 self.failed[name] = f"exit {code} after SIGTERM: {self.tail(name)}"

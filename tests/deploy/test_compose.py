@@ -5,6 +5,7 @@ each service's command as a local process with the file's environment and sees i
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -26,7 +27,7 @@ def gyre_services(compose: dict) -> dict[str, dict]:
 
 
 def test_compose_file_is_valid_by_the_compose_spec(compose):
-    compose_spec = pytest.importorskip("compose_spec", reason="pip install -r requirements/deploy.txt")
+    compose_spec = cat.need("compose_spec", "compose-spec")
     parsed = compose_spec.PyCompose.from_json(json.dumps(compose))
     parsed.validate()  # references to volumes, networks, configs and secrets
     assert set(parsed.service_names()) == set(compose["services"])
@@ -44,7 +45,7 @@ def test_docker_compose_config_accepts_the_file():
 def test_the_stack_has_every_part_the_issue_asks_for(compose):
     services = compose["services"]
     names = {n: cat.serve_name(s.get("command")) for n, s in services.items()}
-    for wanted in ("projector", "proxy", "scheduler", "trajectory", "trainer", "evaluator"):
+    for wanted in ("projector", "proxy", "scheduler", "trajectory", "trainer", "evaluator", "runner"):
         assert wanted in names.values(), f"no `gyre serve {wanted}` service"
     engines = [n for n, v in names.items() if v == "engine"]
     cells = [n for n, v in names.items() if v == "cell"]
@@ -53,7 +54,7 @@ def test_the_stack_has_every_part_the_issue_asks_for(compose):
     for cell in cells:  # each agent points at its own engine, and the engine exists
         url = cat.environment(services[cell])["GYRE_CELL_ENGINE_URL"]
         host, port = url.removeprefix("http://").split(":")
-        assert host in engines and cat.environment(services[host])["GYRE_ENGINE_PORT"] == port
+        assert host in engines and cat.option(services[host]["command"], "--port") == port
     assert {"nats", "postgres"} <= set(services)
 
 
@@ -88,13 +89,18 @@ def test_start_order_follows_health(compose):
             assert spec.get("condition") == "service_healthy", f"{name} -> {dep}: start after it is healthy"
     for name, svc in gyre_services(compose).items():
         deps = set(svc.get("depends_on") or {})
-        assert "nats" in deps, f"{name} must wait for NATS"
-        if name != "projector" and "GYRE_DATABASE_URL" in cat.environment(svc) and cat.serve_name(
-                svc["command"]) not in ("engine",):
-            assert "projector" in deps, f"{name}: the projector applies the migrations first"
+        uses_bus = cat.serve_name(svc["command"]) not in cat.WITHOUT_BUS
+        assert ("nats" in deps) == uses_bus, f"{name}: waits for NATS if and only if it uses it"
+        # a service that calls another (http://<service>:<port>) starts after it is healthy
+        called = {host for value in cat.environment(svc).values()
+                  for host in re.findall(r"http://([a-z0-9-]+):\d+", value) if host in services}
+        assert called <= deps, f"{name} calls {sorted(called - deps)} without waiting for them"
+        # the projector applies the migrations; every service on the bus waits for it
+        if name != "projector" and uses_bus:
+            assert "projector" in deps, f"{name}: start after the projector (migrations)"
     assert set(services["projector"]["depends_on"]) == {"nats", "postgres"}
     order = start_order(services)  # raises on a cycle
-    assert order.index("projector") < order.index("proxy")
+    assert order.index("projector") < order.index("proxy") < order.index("scheduler")
 
 
 def test_nats_runs_jetstream_on_a_volume_with_a_config_the_server_accepts(compose, tmp_path):
@@ -110,7 +116,7 @@ def test_nats_runs_jetstream_on_a_volume_with_a_config_the_server_accepts(compos
     assert run.returncode == 0, run.stderr + run.stdout
 
 
-def test_only_the_proxy_is_published(compose):
+def test_the_proxy_is_published_and_nats_only_on_loopback(compose):
     published = {n for n, s in compose["services"].items() if s.get("ports")}
     assert published == {"proxy", "nats"}
     assert compose["services"]["proxy"]["ports"] == [f"127.0.0.1:8000:{cat.CONTAINER_PORT}"]

@@ -16,14 +16,13 @@ import pytest
 
 from tests.deploy import _catalog as cat
 
-dockerfile = pytest.importorskip("dockerfile", reason="pip install -r requirements/deploy.txt (dockerfile)")
-
 INSTRUCTIONS = {"FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
                 "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
 
 
 @pytest.fixture(scope="module")
 def stages() -> dict[str, list]:
+    dockerfile = cat.need("dockerfile", "dockerfile")
     result: dict[str, list] = {"": []}
     current = ""
     for command in dockerfile.parse_file(str(cat.DOCKERFILE)):

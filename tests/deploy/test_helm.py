@@ -14,8 +14,8 @@ import yaml
 
 from tests.deploy import _catalog as cat
 
-helm = pytest.importorskip("helm_python", reason="pip install -r requirements/deploy.txt (helm-python-sdk)")
-kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install -r requirements/deploy.txt")
+helm = cat.need("helm_python", "helm-python-sdk")
+kubernetes_validate = cat.need("kubernetes_validate", "kubernetes-validate")
 
 NAMESPACE = "rl"
 VALUE_SETS = {
@@ -245,6 +245,20 @@ def test_the_evaluator_mounts_its_task_set_where_the_image_expects_it():
         assert ("persistentVolumeClaim" in volume) == (name == "gpu")
 
 
+def test_sglang_flags_are_the_ones_gyres_launcher_uses():
+    """The chart starts SGLang itself; its flags must be ones services/engine/sglang_server.py
+    passes for the same cell config (so both speak to the same SGLang release)."""
+    from services.engine.sglang_server import SGLangConfig, build_command
+
+    values = values_of("gpu")
+    engine = containers(by_kind(render(values), "StatefulSet")["gyre-cell"])[0]
+    chart_args = engine["args"][: len(engine["args"]) - len(values["cells"]["sglang"]["args"])]
+    launcher = build_command(SGLangConfig(model_path="m", tp_size=8, mem_fraction_static=0.8, admin_api_key="k"))
+    chart_flags = {a for a in chart_args if a.startswith("--")}
+    assert chart_flags <= {a for a in launcher if a.startswith("--")}, chart_flags
+    assert engine["command"][-2:] == launcher[1:3]  # -m sglang.launch_server
+
+
 def test_default_cells_are_embedded_engines_on_cpu():
     docs = render(None)
     for name in ("gyre-cell-core", "gyre-cell"):
@@ -263,6 +277,7 @@ def test_default_cells_are_embedded_engines_on_cpu():
     ({"postgresql": {"url": ""}}, "postgresql"),
     ({"runId": "has space"}, "runId"),
     ({"servces": {}}, "servces"),
+    ({"secrets": {"create": False}}, "existingSecret"),
 ])
 def test_bad_values_are_refused(bad, message):
     with pytest.raises(helm.HelmError) as caught:

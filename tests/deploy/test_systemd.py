@@ -83,7 +83,10 @@ def test_gyre_units_run_known_services(unit):
         assert command[0].endswith("nats-server")
         return
     if command[1:3] == ["-m", "sglang.launch_server"]:  # a GPU cell's SGLang server
-        assert "--enable-memory-saver" in command
+        from services.engine.sglang_server import SGLangConfig, build_command
+
+        launcher = build_command(SGLangConfig(model_path="m", admin_api_key="k"))
+        assert {a for a in command if a.startswith("--")} <= set(launcher), "flags Gyre's launcher does not use"
         return
     assert command[0] == "/opt/gyre/venv/bin/gyre"
     name = cat.serve_name(["gyre", *command[1:]])

@@ -81,6 +81,7 @@ async def test_pause_and_continue_keep_the_answer(cell, fresh_service, mode):
     assert fresh_service.engine.steps == steps and not pending.done()
     await cell.resume_generation()
     out = await pending
+    assert out["meta_info"]["num_retractions"] == (1 if mode == "retract" else 0)
     assert out["output_ids"] == reference["output_ids"]
     lps = [round(e[0], 4) for e in out["meta_info"]["output_token_logprobs"]]
     assert lps == [round(e[0], 4) for e in reference["meta_info"]["output_token_logprobs"]]
@@ -167,7 +168,7 @@ async def test_update_during_generation_waits_for_the_running_request(cell, fres
     await cell.update_weights_from_tensor(serialize_named_tensors([(EMBED, _perturb(original[EMBED]))]), weight_version="7")
     out = await pending
     # every token came from the old weights: the write waited for the request in flight
-    assert out["meta_info"]["weight_version_spans"] == [[0, "0"]]
+    assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 40}]
     assert (await cell.generate(PROMPT, GREEDY))["meta_info"]["weight_version"] == "7"
     assert out["meta_info"]["completion_tokens"] == 40
 
@@ -182,8 +183,8 @@ async def test_update_while_paused_in_place_marks_the_version_per_token(cell, fr
                                                    weight_version="8")
     assert result["success"]
     await cell.resume_generation()
-    spans = (await pending)["meta_info"]["weight_version_spans"]
-    assert spans == [[0, "0"], [done_before, "8"]]
+    spans = (await pending)["meta_info"]["weight_versions"]
+    assert spans == [{"version": "0", "start": 0, "end": done_before}, {"version": "8", "start": done_before, "end": 200}]
 
 
 async def test_release_and_resume_memory(cell, fresh_service):

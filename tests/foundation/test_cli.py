@@ -41,8 +41,9 @@ def test_up_records_the_run_config_as_first_event(nats_server, tmp_path) -> None
     res = gyre("events", "tail", "--context", "runs", "--json", env={"GYRE_NATS_URL": nats_server.url})
     first = json.loads(res.stdout.splitlines()[0])
     assert first["type"] == "RunStarted" and first["run_id"] == "cfg"
-    assert first["config"]["admin_token"] == "***"  # secrets never reach the log
-    assert first["config"]["nats_url"] == nats_server.url
+    assert first["config"]["settings"]["admin_token"] == "***"  # secrets never reach the log
+    assert first["config"]["settings"]["nats_url"] == nats_server.url
+    assert first["config"]["run"]["id"] == "cfg" and first["config"]["cells"]["count"] == 0  # the resolved run config
 
 
 def test_serve_rejects_unknown_service_and_missing_nats() -> None:
@@ -55,7 +56,9 @@ def test_serve_rejects_unknown_service_and_missing_nats() -> None:
 
 def test_bad_settings_are_named(tmp_path) -> None:
     res = gyre("up", "--check", "--run-id", "has spaces", "--run-dir", str(tmp_path))
-    assert res.returncode != 0 and "run_id" in (res.stderr + res.stdout)
+    assert res.returncode == 2 and "run.id" in res.stderr
+    res = gyre("up", "--check", "cells.count=-1", "trainer.lrr=3", "--run-dir", str(tmp_path))
+    assert res.returncode == 2 and "cells.count" in res.stderr and "trainer.lrr" in res.stderr
     with pytest.raises(ValueError):
         GyreSettings(log_level="LOUD")
 
@@ -119,3 +122,20 @@ def test_embedded_nats_dies_with_its_parent(tmp_path) -> None:
                 return
         time.sleep(0.05)
     raise AssertionError("nats-server outlived the process that started it")
+
+
+def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> None:
+    runs = tmp_path / "runs"
+    summary = tmp_path / "summary.json"
+    res = gyre("up", "run.steps=1", "tasks.per_step=1", "group_size=2", "cells.count=1", "run.id=e2e",
+               f"run.dir={runs}", "--json-summary", str(summary), timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    figures = json.loads(summary.read_text())
+    assert figures["steps"] == 1 and figures["agent_errors"] == 0 and not figures["errors"]
+    report = json.loads((runs / "e2e" / "report.json").read_text())
+    assert report["rollouts"] == 2 and report["scored"] == 2 and report["calls"] >= 2
+    assert (runs / "e2e" / "reward.png").exists() and (runs / "e2e" / "report.html").exists()
+    (runs / "e2e" / "report.json").unlink()
+    res = gyre("report", "e2e", "--runs-dir", str(runs), timeout=120)  # from the stored log alone
+    assert res.returncode == 0, res.stderr
+    assert json.loads((runs / "e2e" / "report.json").read_text())["rollouts"] == 2

@@ -109,6 +109,13 @@ async def test_core_and_satellite_train_two_steps(js_bus, tmp_path):
     assert [e.weight_version for e in published] == [0, 1, 2]
     cells = {e.cell for e in await _events(js_bus, Context.TRAINING, MicroStepDone)}
     assert cells <= {"core", "sat0"} and sum(len(w.done) for w in workers) == 4
+    from services.trainer.replay import replay_step
+
+    for step in (0, 1):  # `gyre replay --step N`: the log + the checkpoint give the recorded loss
+        report = await replay_step(js_bus, blobs, run_id=RUN, step=step, checkpoint_dir=tmp_path / "ckpt",
+                                   backend=TorchBackend.tiny(TINY), train=CONFIG)
+        assert report["match"], report
+        assert report["micro_steps"] == [f"s{step}-m0", f"s{step}-m1"]
 
 
 async def test_stale_gradient_is_dropped_and_recomputed(js_bus, tmp_path):

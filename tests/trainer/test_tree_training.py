@@ -88,3 +88,18 @@ def test_megatron_rope_uses_packed_positions(megatron_backend):
         b = megatron_backend.target_logprobs(flat, AttentionConfig())
     # tree targets 30 31 32 are the second branch's last three tokens in the flat batch
     assert torch.allclose(a[4:], b[-3:], atol=1e-5)
+
+
+def test_both_backends_load_one_hf_folder(tmp_path, samples):
+    """The serving path: ``build_backend`` reads an HF folder (RoPE theta 1e6 here)."""
+    pytest.importorskip("megatron.core")
+    from services.trainer.backends.torch_hf import TinyModelConfig, TorchBackend
+    from services.trainer.main import build_backend
+
+    TorchBackend.tiny(TinyModelConfig(rope_theta=1e6, seed=3)).model.save_pretrained(tmp_path)
+    a = build_backend({"backend": "torch", "model": str(tmp_path)})
+    b = build_backend({"backend": "megatron", "model": str(tmp_path)})
+    batch = tree_batch(samples)
+    with torch.no_grad():
+        assert torch.allclose(a.target_logprobs(batch, AttentionConfig()), b.target_logprobs(batch, AttentionConfig()),
+                              atol=1e-5)

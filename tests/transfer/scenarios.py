@@ -79,7 +79,8 @@ def contract(backend: str) -> dict:
     stage.zero_()
     agent.read(peer, split_blocks("stage", "kv", 16 << 20, 1 << 20))
     r["corruption"] = _error(lambda: verify_blocks(agent.view("stage"), peer.region("kv").checksums))
-    r["corruption_is_mismatch"] = isinstance(_raise_of(lambda: verify_blocks(agent.view("stage"), peer.region("kv").checksums)), ChecksumMismatch)
+    mismatch = _raise_of(lambda: verify_blocks(agent.view("stage"), peer.region("kv").checksums))
+    r["corruption_is_mismatch"] = isinstance(mismatch, ChecksumMismatch)
     os.kill(owner.pid, signal.SIGSTOP)  # a peer that stops answering
     t0 = time.perf_counter()
     exc = _raise_of(lambda: agent.read(peer, split_blocks("stage", "kv", 16 << 20, 256 << 10), timeout_s=2.0))
@@ -90,7 +91,7 @@ def contract(backend: str) -> dict:
     os.kill(owner.pid, signal.SIGKILL)
     owner.join(10)
     t0 = time.perf_counter()
-    exc = _raise_of(lambda: agent.read(peer, split_blocks("stage", "kv", 1 << 20, 256 << 10), timeout_s=5.0))
+    exc = _raise_of(lambda: agent.read(peer, split_blocks("stage", "kv", 1 << 20, 256 << 10), timeout_s=3.0))
     r["dead_peer"] = f"{type(exc).__name__}: {exc}" if exc else None
     r["dead_peer_is_failure"] = isinstance(exc, TransferFailed)
     r["dead_peer_s"] = time.perf_counter() - t0
@@ -177,6 +178,7 @@ async def _migration(backend: str, other_backend: str | None) -> dict:
     from libs.common.events import Context
     from libs.common.transfer.default import open_agent
     from libs.common.transfer.kv import migrate_session
+    from services.engine.kv_port import PortKvMover
     from tests.transfer._engines import cell, greedy, start_engine
 
     source, target = start_engine(), start_engine()
@@ -205,6 +207,13 @@ async def _migration(backend: str, other_backend: str | None) -> dict:
                                                            "migrated_tokens", "reason"}) for e in events]
         r["source_offers_left"] = [n for n in src_port.agent.names() if n.startswith("kv-")]
         r["target_regions_left"] = dst_port.agent.names()
+        await b.flush_cache()  # the proxy's evacuation hook, on the engines' plain clients
+        mover = PortKvMover()
+        r["mover_tokens"] = await mover.move(a.engine, b.engine, history)
+        r["mover_path"] = mover.last.path
+        again = await b.engine.generate(turn, greedy(16))
+        r["mover_cached"] = again["meta_info"]["cached_tokens"]
+        r["mover_logprobs_identical"] = _logprobs(again) == _logprobs(on_source)
     finally:
         for c in (a, b):
             await c.aclose()
@@ -262,11 +271,32 @@ async def _failures(backend: str) -> dict:
         after = await b.engine.generate(history + [5, 6], greedy(4))
         r["stale_next_call_cached"] = after["meta_info"]["cached_tokens"]
         r["stale_next_call_tokens"] = len(after["output_ids"])
+        r.update(await _weights_into_cell(source, target, src_port.agent, b))
     finally:
         for c in (a, b):
             await c.aclose()
         source.close()
         target.close()
+    return r
+
+
+async def _weights_into_cell(source, target, agent, b) -> dict:
+    """The source publishes changed weights (version v2); the target cell pulls them over the port."""
+    import torch
+
+    from libs.common.transfer.weights import publish_weights
+
+    named = {k: v.detach().clone() for k, v in source.engine.runner.model.named_parameters()}
+    first = next(iter(named))
+    named[first] += 0.5
+    desc = publish_weights(named, version="v2", agent=agent, checksums=True)
+    answer = await b._post("/gyre/weights/pull", {"descriptor": desc.to_json()})
+    params = dict(target.engine.runner.model.named_parameters())
+    r = {"pull_answer": answer, "pull_version": target.engine.weight_version,
+         "pull_identical": all(torch.equal(params[k].detach(), v) for k, v in named.items())}
+    wrong = publish_weights({first: torch.zeros(3)}, version="v9", agent=agent)
+    r["pull_wrong_shape"] = await _error_async(b._post("/gyre/weights/pull", {"descriptor": wrong.to_json()}))
+    r["version_after_wrong"] = target.engine.weight_version
     return r
 
 

@@ -6,6 +6,9 @@ import pytest
 
 from tests.transfer.conftest import library_missing, scenario
 
+SCENARIOS = [("choice", "ucx")]
+
+
 
 def test_default_picks_a_working_library_and_says_which():
     r = scenario("choice", "ucx")
@@ -33,7 +36,7 @@ def test_migrate_bench_compares_reprefill_and_migration():
 
     if library_missing("mooncake"):
         pytest.skip(f"mooncake cannot run here: {library_missing('mooncake')}")
-    r = run_bench("migrate", cells="services.engine.kv_bench:bench_cells", sizes=[2048], backend="mooncake")
+    r = run_bench("migrate", cells="services.engine.kv_bench:bench_cells", sizes=[1024], backend="mooncake")
     assert r["path"] == "mooncake" and r["logprobs_identical"] is True
     # the turn is the history plus 64 new tokens; the history's last (sampled) token has no KV yet
     assert r["cached_tokens"] == r["migrated_tokens"] == r["tokens"] - 64 - 1

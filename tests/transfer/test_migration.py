@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from tests.transfer.conftest import scenario
 
+SCENARIOS = [("migration", "mooncake"), ("failures", "ucx")]
+
+
 
 def test_next_call_on_target_computes_only_new_tokens():
     r = scenario("migration", "mooncake")
@@ -49,3 +52,10 @@ def test_stale_kv_means_reprefill_and_the_call_still_works():
     assert r["stale"]["kv"] == "reprefilled" and r["stale"]["path"] is None
     assert all("weight version" in e for e in r["stale"]["errors"])
     assert r["stale_next_call_cached"] == 0 and r["stale_next_call_tokens"] == 4
+
+
+def test_proxy_evacuation_hook_moves_kv_through_the_port():
+    r = scenario("migration", "mooncake")
+    # by now the source has computed the whole history (the turn included it), so all of it moves
+    assert r["mover_path"] == "mooncake" and r["mover_tokens"] == r["history_tokens"]
+    assert r["mover_cached"] == r["mover_tokens"] and r["mover_logprobs_identical"]

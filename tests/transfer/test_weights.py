@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from tests.transfer.conftest import scenario
 
+SCENARIOS = [("weights", "mooncake"), ("weights", "ucx"), ("failures", "ucx")]
+
+
 
 def test_satellite_gets_the_published_snapshot(backend):
     r = scenario("weights", backend)
@@ -18,3 +21,14 @@ def test_pull_leaves_nothing_registered_and_fails_after_unpublish(backend):
     r = scenario("weights", backend)
     assert r["left_registered"] == []
     assert r["after_unpublish"] and "Transfer" in r["after_unpublish"]
+
+
+def test_inference_cell_takes_new_weights_through_the_port():
+    r = scenario("failures", "ucx")
+    assert r["pull_answer"]["success"] and r["pull_answer"]["weight_version"] == "v2"
+    assert r["pull_version"] == "v2" and r["pull_identical"]
+
+
+def test_a_mismatched_snapshot_is_refused_before_it_moves():
+    r = scenario("failures", "ucx")
+    assert "shape of" in r["pull_wrong_shape"] and r["version_after_wrong"] == "v2"

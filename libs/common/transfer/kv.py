@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -142,9 +143,14 @@ class MigrationResult:
 async def migrate_session(source: KVCell, target: KVCell, input_ids: list[int], *, session_id: str,
                           run_id: str | None = None, bus: "EventBus | None" = None, reason: str = "drain",
                           causation_id: str | None = None, use_port: bool = True, use_http: bool = True,
-                          verify: bool = False, timeout_s: float = 60.0) -> MigrationResult:
+                          verify: bool | None = None, timeout_s: float = 60.0) -> MigrationResult:
     """Moves the cached prefix of ``input_ids`` from ``source`` to ``target``; never raises for a
-    failed move (the result says ``reprefilled``). Publishes ``SessionRerouted`` when ``bus`` is given."""
+    failed move (the result says ``reprefilled``). Publishes ``SessionRerouted`` when ``bus`` is given.
+
+    ``verify`` (default: ``GYRE_TRANSFER_VERIFY=1`` in the environment, a debug switch) has the
+    source checksum every block and the target check them before importing."""
+    if verify is None:
+        verify = os.environ.get("GYRE_TRANSFER_VERIFY") == "1"
     started = time.perf_counter()
     errors: list[str] = []
     done: tuple[str, int, int] | None = None

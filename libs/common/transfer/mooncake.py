@@ -60,7 +60,6 @@ class MooncakeAgent(RegionTable):
         if rc != 0:
             raise TransferFailed(f"mooncake initialize({self.config.host!r}, {self.config.protocol!r}) returned {rc}")
         self._endpoint = f"{self.config.host}:{self._engine.get_rpc_port()}"
-        self._lock = threading.Lock()  # the engine's batch calls are used from one thread at a time
         self._closed = False
 
     @property
@@ -113,16 +112,18 @@ class MooncakeAgent(RegionTable):
         keep_alive = [self._get(b.local).buffer for b in blocks]  # live even if unregistered mid-flight
         call = self._engine.batch_transfer_sync_write if write else self._engine.batch_transfer_sync_read
         started = time.perf_counter()
-        rc = _run_with_deadline(lambda: self._locked(call, peer.endpoint, local, remote, lengths, keep_alive),
+        # No lock: the engine's batch calls are thread-safe, and one stuck peer must not hold up others.
+        rc = _run_with_deadline(lambda: _call(call, peer.endpoint, local, remote, lengths, keep_alive),
                                 timeout_s, f"mooncake {'write to' if write else 'read from'} {peer.endpoint}")
         if rc != 0:
             raise TransferFailed(f"mooncake batch {'write to' if write else 'read from'} {peer.endpoint} "
                                  f"({len(blocks)} blocks, {nbytes} bytes) returned {rc}")
         return TransferReport(BACKEND, len(blocks), nbytes, time.perf_counter() - started)
 
-    def _locked(self, call, endpoint, local, remote, lengths, _keep_alive) -> int:
-        with self._lock:
-            return call(endpoint, local, remote, lengths)
+
+
+def _call(call, endpoint, local, remote, lengths, _keep_alive) -> int:
+    return call(endpoint, local, remote, lengths)  # _keep_alive: the buffers outlive a timed-out wait
 
 
 def _run_with_deadline(fn, timeout_s: float, what: str):

@@ -245,7 +245,7 @@ class UcxAgent(RegionTable):
                 return
             try:
                 request = json.loads(raw.tobytes())
-                views = self._serve_views(request["blocks"])
+                views, keep_alive = self._serve_views(request["blocks"])
             except Exception as exc:
                 await _send_status(ep, f"refused: {exc}")
                 continue
@@ -254,18 +254,20 @@ class UcxAgent(RegionTable):
                 await asyncio.gather(*[(ep.send(v) if request["op"] == "read" else ep.recv(v)) for v in views])
                 if request["op"] == "write":
                     await _send_status(ep, None)
+                del keep_alive  # regions unregistered meanwhile stayed alive until here
             except Exception as exc:
                 log.warning("ucx peer dropped mid-%s: %s", request.get("op"), exc)
                 return
 
-    def _serve_views(self, blocks: list) -> list[np.ndarray]:
-        views = []
+    def _serve_views(self, blocks: list) -> tuple[list[np.ndarray], list[Any]]:
+        views, owners = [], []
         for name, offset, length in blocks:
             data = self.view(name)
             if offset < 0 or length <= 0 or offset + length > len(data):
                 raise ValueError(f"block {name}[{offset}:{offset + length}] outside {len(data)} bytes")
             views.append(data[offset : offset + length])
-        return views
+            owners.append(self._get(name).buffer)
+        return views, owners
 
 
 class _Refused(TransferFailed):

@@ -1,0 +1,178 @@
+"""The run report, rebuilt from the event log alone: ``runs/<run>/report.html`` + PNGs.
+
+Plots: reward per step (mean and spread), cell roles over time under the water level,
+tree statistics (stored vs selected tokens per rollout), fork types, and the score
+distribution of finished vs timed-out (partially scored) rollouts.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from libs.common.events import (
+    CallRecorded, Context, Event, ForkDetected, RolloutFinished, RolloutScored, RolloutStarted, RolloutTimedOut,
+    SamplesSelected, StepApplied, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
+)
+
+
+@dataclass
+class RunFacts:
+    run_id: str
+    step_of: dict[str, int] = field(default_factory=dict)
+    scores: dict[str, tuple[float, bool]] = field(default_factory=dict)  # rollout -> (score, partial)
+    ended: dict[str, str] = field(default_factory=dict)  # rollout -> finished | timed_out
+    exit_status: dict[str, int | None] = field(default_factory=dict)
+    water: list[tuple[float, float, float]] = field(default_factory=list)  # (t, level, capacity)
+    roles: list[tuple[float, str, str]] = field(default_factory=list)  # (t, cell, role)
+    switches: int = 0
+    switch_failures: int = 0
+    forks: Counter = field(default_factory=Counter)
+    stored_tokens: dict[str, int] = field(default_factory=dict)
+    selected_tokens: dict[str, int] = field(default_factory=dict)
+    calls: int = 0
+    undelivered: int = 0
+    drift: Counter = field(default_factory=Counter)
+    steps_applied: list[dict[str, Any]] = field(default_factory=list)
+    t0: float | None = None
+
+    def add(self, ev: Event) -> None:
+        t = ev.time.timestamp()
+        self.t0 = t if self.t0 is None else min(self.t0, t)
+        if isinstance(ev, RolloutStarted):
+            self.step_of[ev.rollout_id] = ev.step
+        elif isinstance(ev, (RolloutFinished, RolloutTimedOut)):
+            self.ended[ev.rollout_id] = "finished" if isinstance(ev, RolloutFinished) else "timed_out"
+            self.exit_status[ev.rollout_id] = ev.exit_status
+        elif isinstance(ev, RolloutScored):
+            self.scores[ev.rollout_id] = (ev.score, ev.partial)
+        elif isinstance(ev, WaterLevelSampled):
+            self.water.append((t, ev.level, float(ev.inference_capacity)))
+        elif isinstance(ev, SwitchCompleted):
+            self.switches += 1
+            self.roles.append((t, ev.cell, ev.role))
+        elif isinstance(ev, SwitchFailed):
+            self.switch_failures += 1
+        elif isinstance(ev, ForkDetected):
+            self.forks[ev.fork_type] += 1
+        elif isinstance(ev, TreeSealed):
+            self.stored_tokens[ev.rollout_id] = ev.n_tokens
+        elif isinstance(ev, SamplesSelected):
+            self.selected_tokens[ev.rollout_id] = sum(s.n_tokens for s in ev.samples)
+        elif isinstance(ev, CallRecorded):
+            self.calls += 1
+            self.undelivered += not ev.delivered
+            self.drift[ev.drift.value] += 1
+        elif isinstance(ev, StepApplied):
+            self.steps_applied.append({"step": ev.step, "weight_version": ev.weight_version, **ev.loss})
+
+    def rewards_by_step(self) -> dict[int, list[float]]:
+        out: dict[int, list[float]] = defaultdict(list)
+        for rollout, (score, _) in self.scores.items():
+            if rollout in self.step_of:
+                out[self.step_of[rollout]].append(score)
+        return dict(sorted(out.items()))
+
+
+async def collect(bus: Any, run_id: str) -> RunFacts:
+    facts = RunFacts(run_id)
+    for context in Context:
+        async for d in bus.read(context, filter_subject=f"gyre.{run_id}.{context.value}.>"):
+            facts.add(d.event)
+    return facts
+
+
+def _plots(facts: RunFacts, out: Path) -> list[tuple[str, str]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made: list[tuple[str, str]] = []
+
+    def save(fig: Any, name: str, title: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=90)
+        plt.close(fig)
+        made.append((name, title))
+
+    by_step = facts.rewards_by_step()
+    if by_step:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        steps = list(by_step)
+        means = [statistics.fmean(v) for v in by_step.values()]
+        spread = [statistics.pstdev(v) if len(v) > 1 else 0.0 for v in by_step.values()]
+        ax.errorbar(steps, means, yerr=spread, marker="o", capsize=3)
+        ax.set(xlabel="step", ylabel="reward", ylim=(-0.05, 1.05))
+        save(fig, "reward.png", "Reward per step (mean ± spread)")
+    if facts.water or facts.roles:
+        fig, ax = plt.subplots(figsize=(7, 3))
+        t0 = facts.t0 or 0.0
+        if facts.water:
+            ax.plot([w[0] - t0 for w in facts.water], [w[1] for w in facts.water], label="water level")
+            ax.plot([w[0] - t0 for w in facts.water], [w[2] for w in facts.water], "--", label="inference capacity")
+        ax2 = ax.twinx()
+        cells = sorted({c for _, c, _ in facts.roles})
+        for i, cell in enumerate(cells):
+            pts = [(t - t0, 1 if role == "training" else 0) for t, c, role in facts.roles if c == cell]
+            ax2.step([p[0] for p in pts], [i * 1.2 + p[1] for p in pts], where="post", label=f"{cell} (1=training)")
+        ax.set(xlabel="seconds", ylabel="calls")
+        ax.legend(loc="upper left", fontsize=7)
+        if cells:
+            ax2.legend(loc="upper right", fontsize=7)
+        save(fig, "cells.png", "Cell roles over time, under the water level")
+    if facts.stored_tokens:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        ids = sorted(facts.stored_tokens)
+        ax.bar(range(len(ids)), [facts.stored_tokens[i] for i in ids], label="stored (tree)")
+        ax.bar(range(len(ids)), [facts.selected_tokens.get(i, 0) for i in ids], label="selected branches", alpha=0.7)
+        ax.set(xlabel="rollout", ylabel="tokens")
+        ax.legend(fontsize=7)
+        save(fig, "trees.png", "Tree statistics per rollout")
+    if facts.scores:
+        fig, ax = plt.subplots(figsize=(6, 3))
+        full = [s for s, partial in facts.scores.values() if not partial]
+        part = [s for s, partial in facts.scores.values() if partial]
+        ax.hist([full, part], bins=10, range=(0, 1), label=["finished", "timed out (partial)"], stacked=True)
+        ax.set(xlabel="score", ylabel="rollouts")
+        ax.legend(fontsize=7)
+        save(fig, "scores.png", "Score distribution: finished vs partially scored")
+    return made
+
+
+def figures(facts: RunFacts) -> dict[str, Any]:
+    by_step = facts.rewards_by_step()
+    means = [statistics.fmean(v) for v in by_step.values()]
+    return {
+        "run": facts.run_id, "steps_with_rewards": len(means), "reward_per_step": [round(m, 4) for m in means],
+        "rollouts": len(facts.step_of), "finished": sum(1 for s in facts.ended.values() if s == "finished"),
+        "timed_out": sum(1 for s in facts.ended.values() if s == "timed_out"), "scored": len(facts.scores),
+        "partial_share": round(sum(1 for _, p in facts.scores.values() if p) / max(len(facts.scores), 1), 4),
+        "harness_failures": sum(1 for s in facts.exit_status.values() if s not in (0, None)),
+        "calls": facts.calls, "undelivered_calls": facts.undelivered, "drift": dict(facts.drift),
+        "role_switches": facts.switches, "switch_failures": facts.switch_failures, "forks": dict(facts.forks),
+        "stored_tokens": sum(facts.stored_tokens.values()), "selected_tokens": sum(facts.selected_tokens.values()),
+        "steps_applied": facts.steps_applied,
+    }
+
+
+def write_report(facts: RunFacts, out: Path) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    plots = _plots(facts, out)
+    fig = figures(facts)
+    (out / "report.json").write_text(json.dumps(fig, indent=2))
+    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(json.dumps(v))}</td></tr>" for k, v in fig.items())
+    imgs = "".join(f"<h2>{html.escape(t)}</h2><img src='{n}' alt='{html.escape(t)}'>" for n, t in plots)
+    page = (f"<!doctype html><meta charset='utf-8'><title>Gyre run {html.escape(facts.run_id)}</title>"
+            "<style>body{font-family:sans-serif;max-width:900px;margin:2em auto}th{text-align:left;padding-right:1em}"
+            "</style>"
+            f"<h1>Gyre run {html.escape(facts.run_id)}</h1><p>Rebuilt from the event log.</p>"
+            f"<table>{rows}</table>{imgs}")
+    path = out / "report.html"
+    path.write_text(page)
+    return path

@@ -1,0 +1,172 @@
+"""The run configuration: one YAML file is the source of truth for a run.
+
+Validated at start with errors that name the key and what was expected; overridden from
+the command line with dotted keys (``trainer.lr=1e-6``, values parsed as YAML); recorded
+whole, resolved, as the run's first event (``RunStarted.config``) so a replay knows
+exactly what ran. ``GYRE_*`` environment variables still say where NATS and the database
+are (``libs/common/settings.py``); ``bus``/``storage`` here override them when set.
+
+    >>> cfg = load_run_config(None, ["run.steps=3", "cells.count=2"])
+    >>> cfg.run.steps, cfg.cells.count, cfg.model.name
+    (3, 2, 'tiny-qwen')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class RunSection(_Section):
+    id: str = Field(default="demo", pattern=r"^[A-Za-z0-9_\-:]{1,128}$")
+    steps: int = Field(default=4, ge=1, le=100_000)
+    dir: Path = Path("runs")  # reports and checkpoints go to <dir>/<id>/
+    seed: int = 0
+
+
+class ModelSection(_Section):
+    name: str = "tiny-qwen"  # tiny-qwen | smollm2 | an HF folder
+    policy_name: str = "policy"  # the model name the proxy serves under
+
+
+class TasksSection(_Section):
+    dir: Path | None = None  # default: the task set shipped in tasks/
+    split: Literal["train", "heldout", "all"] = "train"
+    per_step: int = Field(default=2, ge=1)
+
+
+class HarnessSection(_Section):
+    name: str = "gyre_agent"  # gyre_agent | claude_code | codex | mini_swe_agent | a plugin
+    api: Literal["openai", "anthropic"] = "openai"
+    max_turns: int = Field(default=8, ge=1)
+    time_limit_scale: float = Field(default=1.0, gt=0)
+    max_parallel: int = Field(default=4, ge=1)
+
+
+class SamplingSection(_Section):
+    temperature: float = Field(default=1.0, ge=0, le=2)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=256, ge=1)
+
+
+class LossSection(_Section):
+    clip_low: float = Field(default=0.2, ge=0, le=1)
+    clip_high: float = Field(default=0.28, ge=0, le=10)
+    tis_cap: float | None = Field(default=2.0, gt=0)  # truncated importance sampling; None = off
+    kl_coef: float = Field(default=0.0, ge=0)
+    sample_budget: int = Field(default=5, ge=1, le=64)  # branches per execution (role priority)
+
+
+class TrainerSection(_Section):
+    backend: Literal["torch", "megatron"] = "torch"
+    lr: float = Field(default=1e-5, gt=0)
+    micro_step_tokens: int = Field(default=8192, ge=64)
+    staleness: int = Field(default=1, ge=0)  # samples older than this many weight versions are dropped
+
+
+class CellsSection(_Section):
+    count: int = Field(default=2, ge=0, le=16)
+    policy: Literal["elastic", "colocate", "async"] = "elastic"
+    hold_s: float = Field(default=5.0, ge=0)
+    min_dwell_s: float = Field(default=10.0, ge=0)
+    smoothing_s: float = Field(default=5.0, ge=0)
+    tick_s: float = Field(default=1.0, gt=0)
+
+
+class EvaluatorSection(_Section):
+    workers: int = Field(default=2, ge=1)
+    judge_url: str | None = None
+    judge_model: str | None = None
+
+
+class StorageSection(_Section):
+    database_url: str | None = None
+
+
+class BusSection(_Section):
+    nats_url: str | None = None
+
+
+class MetricsSection(_Section):
+    tensorboard: bool = True
+    wandb_project: str | None = None  # set to log to Weights & Biases (offline works)
+
+
+class RunConfig(_Section):
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    tasks: TasksSection = TasksSection()
+    harness: HarnessSection = HarnessSection()
+    group_size: int = Field(default=2, ge=1, le=256)
+    sampling: SamplingSection = SamplingSection()
+    loss: LossSection = LossSection()
+    trainer: TrainerSection = TrainerSection()
+    cells: CellsSection = CellsSection()
+    evaluator: EvaluatorSection = EvaluatorSection()
+    storage: StorageSection = StorageSection()
+    bus: BusSection = BusSection()
+    metrics: MetricsSection = MetricsSection()
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+    @property
+    def run_dir(self) -> Path:
+        return self.run.dir / self.run.id
+
+
+class RunConfigError(ValueError):
+    """A config that does not validate; the message names each bad key."""
+
+
+def apply_override(data: dict[str, Any], assignment: str) -> None:
+    key, sep, raw = assignment.partition("=")
+    if not sep or not key.strip():
+        raise RunConfigError(f"override {assignment!r}: expected key.path=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise RunConfigError(f"override {assignment!r}: value is not valid YAML ({exc})") from exc
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise RunConfigError(f"override {assignment!r}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise RunConfigError(f"run config {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise RunConfigError(f"run config {path} is not valid YAML: {exc}") from exc
+        if loaded is not None and not isinstance(loaded, dict):
+            raise RunConfigError(f"run config {path}: the top level must be a mapping of sections")
+        data = loaded or {}
+    for assignment in overrides:
+        apply_override(data, assignment)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "<top>"
+            got = err.get("input")
+            shown = "" if isinstance(got, dict) else f" (got {got!r})"
+            lines.append(f"  {where}: {err['msg']}{shown}")
+        raise RunConfigError("invalid run config:\n" + "\n".join(lines)) from None

@@ -1,0 +1,127 @@
+"""Wiring for ``gyre serve trainer``: settings and live handles in, a training cell running.
+
+The lead registers ``SPEC`` in ``gyre/services.py``. Options (run config or command
+line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
+``megatron``), ``model`` (an HF folder or ``tiny-qwen``), ``tp``, ``lr``, ``eps_low``,
+``eps_high``, ``tis_cap``, ``kl_coef``, ``max_grad_norm``, ``groups_per_step``,
+``checkpoint_dir``, ``max_staleness``, ``ack_wait_s``, ``publish_to``
+(``cell=url,cell=url``: inference cells to publish weights to), ``publish_mode``
+(``tensor`` | ``disk``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from libs.common.service import ServiceContext, ServiceSpec
+
+from .attention import AttentionConfig
+from .objective import ObjectiveConfig
+from .step import TrainConfig
+
+
+def _opt(options: dict[str, Any], name: str, cast, default):
+    value = options.get(name)
+    return default if value is None or value == "" else cast(value)
+
+
+def train_config(options: dict[str, Any]) -> TrainConfig:
+    return TrainConfig(
+        objective=ObjectiveConfig(eps_low=_opt(options, "eps_low", float, 0.2),
+                                  eps_high=_opt(options, "eps_high", float, 0.28),
+                                  tis_cap=_opt(options, "tis_cap", float, None),
+                                  kl_coef=_opt(options, "kl_coef", float, 0.0)),
+        attention=AttentionConfig(mode=_opt(options, "attention", str, "auto")),
+        lr=_opt(options, "lr", float, 1e-5),
+        max_grad_norm=_opt(options, "max_grad_norm", float, 1.0),
+    )
+
+
+def build_backend(options: dict[str, Any]):
+    """The policy model for this cell (each call builds a separate copy)."""
+    from services.engine.model_store import resolve_model
+
+    name = _opt(options, "backend", str, "torch")
+    folder = resolve_model(_opt(options, "model", str, "tiny-qwen")).folder
+    from .backends.torch_hf import TorchBackend
+
+    hf = TorchBackend.from_pretrained(folder)
+    if name == "torch":
+        return hf
+    if name == "megatron":
+        from .backends.megatron import MegatronBackend
+        from .backends.torch_hf import TinyModelConfig
+
+        c = hf.model.config
+        shape = TinyModelConfig(vocab_size=c.vocab_size, hidden_size=c.hidden_size,
+                                intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
+                                num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                rope_theta=_rope_theta(c),
+                                rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings)
+        backend = MegatronBackend(shape, tp=_opt(options, "tp", int, 1))
+        backend.load_hf_state_dict(hf.hf_state_dict())
+        return backend
+    raise ValueError(f"unknown trainer backend {name!r} (torch | megatron)")
+
+
+def _rope_theta(config) -> float:
+    """transformers 5 keeps it in ``rope_parameters``; older configs have ``rope_theta``."""
+    params = getattr(config, "rope_parameters", None) or {}
+    if params.get("rope_type", "default") != "default":
+        raise ValueError(f"RoPE scaling {params.get('rope_type')!r} is not converted to megatron yet")
+    return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+
+
+def _publisher(options: dict[str, Any], admin_token: str | None, run_dir: Path):
+    targets = _opt(options, "publish_to", str, "")
+    if not targets:
+        return None
+    from services.engine.client import EngineClient
+    from services.engine.model_store import resolve_model
+
+    from .publish import EnginePublisher
+
+    clients = {}
+    for item in targets.split(","):
+        cell, _, url = item.partition("=")
+        clients[cell.strip()] = EngineClient(url.strip(), admin_token=admin_token)
+    folder = resolve_model(_opt(options, "model", str, "tiny-qwen")).folder
+    return EnginePublisher(clients, mode=_opt(options, "publish_mode", str, "tensor"),
+                           folder=run_dir / "trainer" / "published", hf_config=folder / "config.json")
+
+
+async def trainer_main(ctx: ServiceContext) -> None:
+    from .core import CoreSettings, CoreTrainer, CoreWeightSource
+    from .transfer import BlobTransfer, InProcessTransfer, RoutedTransfer
+    from .worker import BusWeightSource, MicroStepWorker, WorkerSettings
+
+    rt, options = ctx.runtime, ctx.options
+    run_id, role = rt.settings.run_id, _opt(options, "role", str, "core")
+    cell = _opt(options, "cell", str, role)
+    train = train_config(options)
+    gradients = BlobTransfer(rt.blobs)
+    worker_settings = WorkerSettings(run_id, cell, train, max_staleness=_opt(options, "max_staleness", int, None),
+                                     ack_wait_s=_opt(options, "ack_wait_s", float, 600.0))
+    if role == "satellite":
+        worker = MicroStepWorker(worker_settings, await asyncio.to_thread(build_backend, options), bus=rt.bus,
+                                 blobs=rt.blobs, gradients=gradients,
+                                 weights=BusWeightSource(rt.bus, rt.blobs, run_id))
+        ctx.health.ok(role=role, cell=cell)
+        await worker.run(ctx.stop)
+        return
+    checkpoints = Path(_opt(options, "checkpoint_dir", str, str(rt.settings.run_dir / "trainer" / "checkpoints")))
+    local = InProcessTransfer()  # the core's own worker hands its gradients over in memory
+    core = CoreTrainer(CoreSettings(run_id, cell, train, checkpoints, _opt(options, "groups_per_step", int, None)),
+                       await asyncio.to_thread(build_backend, options), bus=rt.bus, blobs=rt.blobs,
+                       gradients=RoutedTransfer(gradients, memory=local, blob=gradients), publish=_publisher(options, rt.settings.admin_token, rt.settings.run_dir))
+    worker = MicroStepWorker(worker_settings, await asyncio.to_thread(build_backend, options), bus=rt.bus,
+                             blobs=rt.blobs, gradients=local, weights=CoreWeightSource(core))
+    ctx.health.ok(role=role, cell=cell, checkpoints=str(checkpoints))
+    await asyncio.gather(core.run(ctx.stop), worker.run(ctx.stop))
+
+
+SPEC = ServiceSpec("trainer", trainer_main,
+                   summary="tree-attention policy training: core cell (optimizer, updates, weight publication) "
+                           "or satellite (claims micro-steps, sends gradients)")
