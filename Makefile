@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.gyre-installed
 venv: $(STAMP)
 
 $(STAMP): requirements.txt requirements/*.txt pyproject.toml
+	@# Mooncake needs libibverbs even over TCP; installed when we may (root + apt), else its tests skip.
+	@if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! dpkg -s libibverbs1 >/dev/null 2>&1; then \
+	  (apt-get update -qq && apt-get install -y -qq libibverbs1) >/dev/null 2>&1 || echo "note: libibverbs1 not installed"; fi
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet -r requirements.txt
 	$(BIN)/python -m pip install --quiet --no-deps -r requirements/nodeps.txt
@@ -16,7 +19,7 @@ $(STAMP): requirements.txt requirements/*.txt pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/gyre up
+	$(BIN)/gyre up -c configs/embedded.yaml
 
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

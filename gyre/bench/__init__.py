@@ -40,10 +40,24 @@ def _switch(n: int | None = None, progress: bool = True) -> dict[str, Any]:
     return run_bench(progress=progress)
 
 
+def _transfer(n: int | None = None, progress: bool = True) -> dict[str, Any]:
+    from libs.common.transfer.bench import run_bench
+
+    return run_bench("transfer", **({"total_mib": n} if n else {}))
+
+
+def _migrate(n: int | None = None, progress: bool = True) -> dict[str, Any]:
+    from libs.common.transfer.bench import run_bench
+
+    return run_bench("migrate", cells="services.engine.kv_bench:bench_cells")
+
+
 BENCHMARKS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "bus": (_bus, "raw nats-py vs Gyre's bus: publish and durable consume rates (ratios >= 0.8)"),
     "tree": (_tree, "trajectory trees: storage and training-token savings of prefix merging (--n 1: small)"),
     "proxy": (_proxy, "recording proxy overhead vs the same /generate bodies sent direct (1k/32k/256k contexts)"),
     "switch": (_switch, "embedded cell switches inference<->training with live sessions vs a cold engine restart"),
+    "transfer": (_transfer, "block transfer throughput: Mooncake and UCX over loopback TCP vs memcpy (--n MiB)"),
+    "migrate": (_migrate, "KV migration between two embedded engines vs re-prefill, at 8k and 32k tokens"),
     "sim": (_sim, "the scheduler simulator on the seed workload (same as `gyre sim --json`; --n steps)"),
 }

@@ -32,6 +32,12 @@ class ProxyControl:
     async def evacuate(self, cell: str, *, timeout_s: float = 30.0, migrate: bool = True) -> dict[str, Any]:
         return await self._post(f"/admin/cells/{cell}/evacuate", {"timeout_s": timeout_s, "migrate": migrate})
 
+    async def cells(self) -> list[dict[str, Any]]:
+        r = await self._http.get("/admin/cells")
+        if r.status_code >= 400:
+            raise RuntimeError(f"proxy /admin/cells: {r.status_code} {r.text[:300]}")
+        return r.json().get("cells", [])
+
     async def activate(self, cell: str) -> None:
         await self._post(f"/admin/cells/{cell}/activate", {})
 

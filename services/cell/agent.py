@@ -48,6 +48,24 @@ class CellAgent:
         await self.bus.publish(CellRegistered(run_id=self.run_id, cell=self.name, role=self.role,
                                               is_core=self.is_core, capacity=self.capacity))
 
+    async def keep_registered(self, stop: asyncio.Event, every_s: float = 10.0) -> None:
+        """A restarted proxy knows no cells: while this cell serves inference, make sure
+        the proxy routes to it (never while it trains or switches)."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+                return
+            except asyncio.TimeoutError:
+                pass
+            if self.role != "inference" or self._lock.locked():
+                continue
+            try:
+                if all(c.get("name") != self.name for c in await self.proxy.cells()):
+                    await self.proxy.add(self.name, self.engine_url, self.capacity)
+                    log.info("cell %s: re-registered with the proxy", self.name)
+            except Exception as exc:  # the proxy may be restarting; try again next round
+                log.warning("cell %s: proxy check failed: %r", self.name, exc)
+
     async def switch(self, to_role: str, *, causation_id: str | None = None) -> SwitchRecord:
         async with self._lock:  # one switch at a time
             rec = SwitchRecord(self.name, self.role, to_role)

@@ -43,7 +43,7 @@ async def cell_main(ctx: ServiceContext) -> None:
     sub = await agent.serve_commands(ctx.runtime.bus.nc)
     ctx.health.ok(cell=name, role=agent.role, core=agent.is_core)
     try:
-        await ctx.stop.wait()
+        await agent.keep_registered(ctx.stop)
     finally:
         await sub.unsubscribe()
         await proxy.aclose()

@@ -110,3 +110,19 @@ async def test_switch_command_over_nats(proxy, engines, model_dir) -> None:
     answer = await request_switch(proxy.bus.nc, "ptest", "e1", "inference", timeout_s=60)
     assert answer["ok"] and answer["role"] == "inference"
     await sub.unsubscribe()
+
+
+async def test_a_restarted_proxy_gets_the_cell_back(proxy, engines, model_dir) -> None:
+    import asyncio
+
+    agents = await setup_cells(proxy, engines, model_dir)
+    proxy.service.router.remove_cell("e1")  # as after a proxy restart
+    stop = asyncio.Event()
+    task = asyncio.create_task(agents[1].keep_registered(stop, every_s=0.05))
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if "e1" in proxy.service.router.cells:
+            break
+    stop.set()
+    await task
+    assert "e1" in proxy.service.router.cells
