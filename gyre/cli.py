@@ -198,9 +198,19 @@ def replay(
     from_file: Annotated[Optional[list[Path]], typer.Option("--from", help="exported JSON Lines (default: live NATS)")] = None,
     database_url: Annotated[Optional[str], typer.Option(help="database to rebuild into [GYRE_DATABASE_URL]")] = None,
     run_id: Annotated[Optional[str], typer.Option("--run", help="only this run's events")] = None,
+    trees: Annotated[bool, typer.Option("--trees", help="rebuild the run's trees and samples instead; compare")] = False,
 ) -> None:
-    """Rebuild the read models from the log alone; prints their digests as JSON."""
+    """Rebuild the read models (or, with --trees, the trajectory trees and samples) from
+    the log alone; prints digests / the comparison as JSON."""
     from gyre.events_cmd import replay as do_replay
+
+    if trees:
+        from gyre.events_cmd import _require_nats, replay_trees
+
+        settings = _settings(run_id=run_id)
+        result = asyncio.run(replay_trees(_require_nats(settings), settings.run_id))
+        typer.echo(json.dumps(result))
+        raise typer.Exit(0 if result["identical"] else 3)
 
     result = asyncio.run(do_replay(_settings(database_url=database_url), from_file or [], run_id))
     typer.echo(json.dumps(result))

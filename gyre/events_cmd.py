@@ -110,3 +110,60 @@ async def tree_show(settings: GyreSettings, rollout: str, fmt: str, tokens: bool
         return await show_rollout(bus, blobs, ledger_config(settings.run_id, {}), rollout, fmt=fmt, show_tokens=tokens)
     finally:
         await bus.close()
+
+
+class _ReadThrough:
+    """Reads from the live blob store, keeps what a replay writes to itself."""
+
+    def __init__(self, live: Any) -> None:
+        from libs.common.blobs import MemoryBlobStore
+
+        self.live, self.mine = live, MemoryBlobStore()
+
+    async def put(self, data: bytes) -> str:
+        return await self.mine.put(data)
+
+    async def get(self, digest: str) -> bytes:
+        return await self.mine.get(digest) if await self.mine.has(digest) else await self.live.get(digest)
+
+    async def has(self, digest: str) -> bool:
+        return await self.mine.has(digest) or await self.live.has(digest)
+
+
+def _tree_facts(ev: Any) -> tuple:
+    from libs.common.events import MicroStepQueued, SamplesSelected, TreeSealed
+
+    if isinstance(ev, TreeSealed):
+        return (ev.TYPE, ev.rollout_id, ev.tree_digest, ev.content_digest)
+    if isinstance(ev, SamplesSelected):
+        return (ev.TYPE, ev.rollout_id, tuple(s.digest for s in ev.samples))
+    if isinstance(ev, MicroStepQueued):
+        return (ev.TYPE, ev.micro_step, tuple(ev.sample_digests), tuple(ev.advantages))
+    return (ev.TYPE, ev.event_id)
+
+
+async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
+    """Rebuild a run's trees, samples and micro-steps from its rollouts, calls and scores
+    alone (a fresh trajectory service on an in-memory copy of those streams) and compare
+    them with what the live run recorded."""
+    from libs.common.blobs import ObjectStoreBlobStore
+    from libs.common.bus.memory import InMemoryBus
+    from services.trajectory.main import ledger_config
+    from services.trajectory.service import TrajectoryService
+
+    bus = await JetStreamBus.connect(nats_url, name="gyre-replay-trees")
+    try:
+        live_blobs = await ObjectStoreBlobStore.open(bus.js)
+        copy = InMemoryBus()
+        for ctx in (Context.ROLLOUTS, Context.CALLS, Context.SCORES):
+            async for msg in bus.read_raw(ctx.stream, filter_subject=f"gyre.{run_id}.{ctx.value}.>"):
+                meta = msg.metadata
+                copy.load(ctx.stream, meta.sequence.stream, msg.subject, msg.data, meta.timestamp)
+        recorded = [_tree_facts(d.event) async for d in bus.read(Context.TREES, filter_subject=f"gyre.{run_id}.trees.>")]
+        service = TrajectoryService(ledger_config(run_id, {}), bus=copy, blobs=_ReadThrough(live_blobs))
+        await service.rebuild()
+        replayed = [_tree_facts(d.event) async for d in copy.read(Context.TREES)]
+    finally:
+        await bus.close()
+    return {"recorded": len(recorded), "replayed": len(replayed),
+            "identical": sorted(map(repr, recorded)) == sorted(map(repr, replayed))}

@@ -258,10 +258,30 @@ class MainJob:
             facts = {}
         result = summary(self.progress, role_switches=facts.get("role_switches", 0),
                          agent_errors=facts.get("harness_failures", 0) + facts.get("undelivered_calls", 0))
+        result["replay_identical"] = self._replay_identical(settings, console)
         if json_summary is not None:
             json_summary.write_text(json.dumps(result, indent=2))
         console.print(json.dumps(result))
         return 1 if self.error is not None else 0
+
+
+    def _replay_identical(self, settings: GyreSettings, console: Console) -> bool | None:
+        """Rebuild the run's trees and samples from the log and compare (the trajectory
+        service may still be sealing the last step: a few tries, a few seconds apart)."""
+        from gyre.events_cmd import replay_trees
+
+        result: dict[str, Any] = {}
+        for _ in range(4):
+            try:
+                result = asyncio.run(replay_trees(settings.nats_url or "", settings.run_id))
+            except Exception as exc:
+                console.print(f"[red]tree replay failed: {exc!r}[/]")
+                return None
+            if result["identical"]:
+                break
+            time.sleep(3)
+        console.print(f"tree replay: {result}")
+        return bool(result.get("identical"))
 
 
 async def rebuild_report(settings: GyreSettings) -> Path:

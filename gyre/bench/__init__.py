@@ -52,8 +52,15 @@ def _migrate(n: int | None = None, progress: bool = True) -> dict[str, Any]:
     return run_bench("migrate", cells="services.engine.kv_bench:bench_cells")
 
 
+def _engine(n: int | None = None, progress: bool = True) -> dict[str, Any]:
+    from services.engine.bench import run_bench
+
+    return run_bench()
+
+
 BENCHMARKS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "bus": (_bus, "raw nats-py vs Gyre's bus: publish and durable consume rates (ratios >= 0.8)"),
+    "engine": (_engine, "embedded engine vs transformers generate (batch 1 and 8) and the prefix cache on a 4k prefix"),
     "tree": (_tree, "trajectory trees: storage and training-token savings of prefix merging (--n 1: small)"),
     "proxy": (_proxy, "recording proxy overhead vs the same /generate bodies sent direct (1k/32k/256k contexts)"),
     "switch": (_switch, "embedded cell switches inference<->training with live sessions vs a cold engine restart"),

@@ -50,6 +50,13 @@ def create_app(settings: EngineSettings, *, engine: Engine, weights: WeightManag
     _version_routes(app, engine, weights, admin)
     _memory_routes(app, engine, weights, admin)
     kv_transfer.add_routes(app, engine, admin)
+    # KV blocks and weight pulls through the transfer port (Mooncake/UCX); the transfer
+    # agent opens on first use, so cells that never migrate pay nothing.
+    from . import kv_port, weights_port
+
+    app.state.kv_port = kv_port.KVPort(engine)
+    kv_port.add_routes(app, app.state.kv_port, admin)
+    weights_port.add_routes(app, weights, lambda: app.state.kv_port.agent, admin)
     return app
 
 
@@ -341,3 +348,6 @@ def _admin_guard(settings: EngineSettings):
 
     return check
 
+
+
+admin_guard = _admin_guard  # public name for route modules added beside this one (kv_port)

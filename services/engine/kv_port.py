@@ -48,6 +48,11 @@ class KVPort:
         self._offers: dict[str, float] = {}  # lease -> expiry (monotonic)
         self._lock = threading.Lock()
 
+    def use_agent(self, agent: TransferAgent) -> None:
+        """Use this agent (before the first migration opens the default one)."""
+        with self._lock:
+            self._agent = agent
+
     @property
     def agent(self) -> TransferAgent:
         with self._lock:
@@ -148,12 +153,17 @@ def add_routes(app: FastAPI, port: KVPort, admin) -> None:
 def attach(service, agent: TransferAgent | None = None) -> KVPort:
     """Adds the KV and weight-pull port routes to a built ``main.EngineService`` (until
     ``create_app`` does it); both share one transfer agent."""
-    from .http_app import _admin_guard
+    from . import http_app, weights_port
 
-    from . import weights_port
-
+    existing = getattr(service.app.state, "kv_port", None)
+    if existing is not None:  # create_app already serves the port routes
+        if agent is not None:
+            existing.use_agent(agent)
+        service.kv_port = existing
+        return existing
+    guard = getattr(http_app, "admin_guard", None) or http_app._admin_guard
     port = KVPort(service.engine, agent)
-    admin = Depends(_admin_guard(service.settings))
+    admin = Depends(guard(service.settings))
     add_routes(service.app, port, admin)
     weights_port.add_routes(service.app, service.weights, lambda: port.agent, admin)
     service.kv_port = port

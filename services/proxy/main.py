@@ -7,7 +7,9 @@ Configuration (environment):
   scheduler adds and drains cells at run time through the admin endpoints);
 - ``GYRE_POLICY_MODEL``: the policy's model name (default ``policy``);
   ``GYRE_PROXY_STRICT_MODELS=1``: unknown model names get a 404;
-- ``GYRE_ADMIN_TOKEN``: token for ``/admin/*``.
+- ``GYRE_ADMIN_TOKEN``: token for ``/admin/*``;
+- ``GYRE_PROXY_KV_MOVER=port``: move KV blocks through the transfer port (Mooncake/UCX)
+  when evacuating a cell, instead of the engines' HTTP export/import.
 """
 
 from __future__ import annotations
@@ -50,6 +52,10 @@ async def proxy_main(ctx: ServiceContext) -> None:
     service = ProxyService(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs, renderer=renderer, router=Router(),
                            clients={}, client_factory=lambda url: EngineClient(url, admin_token=settings.admin_token,
                                                                                timeout=600))
+    if os.environ.get("GYRE_PROXY_KV_MOVER") == "port":  # KV blocks over Mooncake/UCX instead of HTTP
+        from services.engine.kv_port import PortKvMover
+
+        service.kv_mover = PortKvMover()
     for name, url in parse_cells(os.environ.get("GYRE_PROXY_CELLS", "")).items():
         service.add_cell(name, url)
     ctx.app.mount("/", create_app(service, admin_token=settings.admin_token, registry=ctx.registry))

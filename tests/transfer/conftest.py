@@ -18,7 +18,7 @@ import pytest
 
 from tests.transfer._netns import run_scenario
 
-_pool = ThreadPoolExecutor(max_workers=3, thread_name_prefix="scenario")
+_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="scenario")
 _started: dict[str, Future] = {}
 
 

@@ -113,7 +113,7 @@ def _core(backend: str, out: mp.Queue, inbox: mp.Queue) -> None:
     import torch
 
     from libs.common.transfer.default import open_agent
-    from libs.common.transfer.weights import publish_weights, unpublish_weights
+    from libs.common.transfer.weights import PortTransfer, publish_weights, unpublish_weights
 
     agent = open_agent(prefer=backend)
     g = torch.Generator().manual_seed(3)
@@ -127,7 +127,9 @@ def _core(backend: str, out: mp.Queue, inbox: mp.Queue) -> None:
                for k, v in named.items()}
     with torch.no_grad():
         named["embed.weight"].add_(1.0)  # training goes on: the snapshot must not change
-    out.put((desc.to_json(), digests))
+    trainer_port = PortTransfer(agent, keep=1)
+    grads = [asyncio.run(trainer_port.put({"g": torch.full((4,), float(i))})) for i in range(2)]
+    out.put((desc.to_json(), digests, grads))
     assert inbox.get() == "unpublish"
     unpublish_weights(desc, agent=agent)
     out.put("done")
@@ -139,13 +141,13 @@ def weights(backend: str) -> dict:
     import torch
 
     from libs.common.transfer.default import open_agent
-    from libs.common.transfer.weights import WeightsDescriptor, pull_weights
+    from libs.common.transfer.weights import PortTransfer, WeightsDescriptor, pull_weights
 
     ctx = mp.get_context("spawn")
     out, inbox = ctx.Queue(), ctx.Queue()
     core = ctx.Process(target=_core, args=(backend, out, inbox), daemon=True)
     core.start()
-    payload, digests = out.get(timeout=60)
+    payload, digests, grads = out.get(timeout=60)
     desc = WeightsDescriptor.from_json(json.loads(json.dumps(payload)))
     agent = open_agent(prefer=backend)
     t0 = time.perf_counter()
@@ -157,6 +159,11 @@ def weights(backend: str) -> dict:
     r["dtypes"] = {k: str(t.dtype) for k, t in tensors.items()}
     r["shapes"] = {k: list(t.shape) for k, t in tensors.items()}
     r["left_registered"] = agent.names()
+    trainer_port = PortTransfer(agent)
+    r["trainer_port_kind"] = grads[1]["kind"]
+    r["trainer_port_newest"] = asyncio.run(trainer_port.get(grads[1]))["g"].tolist()
+    old = _raise_of(lambda: asyncio.run(trainer_port.get(grads[0])))  # beyond keep=1: unpublished
+    r["trainer_port_oldest"] = f"{type(old).__name__}: {old}" if old else None
     inbox.put("unpublish")
     out.get(timeout=30)
     gone = _raise_of(lambda: pull_weights(desc, agent=agent, timeout_s=5))

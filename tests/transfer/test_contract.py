@@ -8,7 +8,6 @@ from tests.transfer.conftest import scenario
 SCENARIOS = [("contract", "mooncake"), ("contract", "ucx")]
 
 
-
 def test_batch_read_moves_every_byte(backend):
     r = scenario("contract", backend)
     assert (r["backend"], r["peer_backend"]) == (backend, backend)

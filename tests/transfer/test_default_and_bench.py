@@ -9,7 +9,6 @@ from tests.transfer.conftest import library_missing, scenario
 SCENARIOS = [("choice", "ucx")]
 
 
-
 def test_default_picks_a_working_library_and_says_which():
     r = scenario("choice", "ucx")
     assert r["default"] == ("ucx" if library_missing("mooncake") else "mooncake")

@@ -7,7 +7,6 @@ from tests.transfer.conftest import scenario
 SCENARIOS = [("migration", "mooncake"), ("failures", "ucx")]
 
 
-
 def test_next_call_on_target_computes_only_new_tokens():
     r = scenario("migration", "mooncake")
     assert r["result"]["kv"] == "migrated" and r["result"]["path"] == "mooncake"

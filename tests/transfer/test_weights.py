@@ -7,7 +7,6 @@ from tests.transfer.conftest import scenario
 SCENARIOS = [("weights", "mooncake"), ("weights", "ucx"), ("failures", "ucx")]
 
 
-
 def test_satellite_gets_the_published_snapshot(backend):
     r = scenario("weights", backend)
     assert r["identical"], "tensors differ from what the core published (or it changed under the pull)"
@@ -32,3 +31,9 @@ def test_inference_cell_takes_new_weights_through_the_port():
 def test_a_mismatched_snapshot_is_refused_before_it_moves():
     r = scenario("failures", "ucx")
     assert "shape of" in r["pull_wrong_shape"] and r["version_after_wrong"] == "v2"
+
+
+def test_trainer_transfer_shape_puts_and_gets_over_the_port(backend):
+    r = scenario("weights", backend)
+    assert r["trainer_port_kind"] == "port" and r["trainer_port_newest"] == [1.0, 1.0, 1.0, 1.0]
+    assert r["trainer_port_oldest"] and "Transfer" in r["trainer_port_oldest"]

@@ -127,3 +127,32 @@ def _typed(flat: "torch.Tensor", spec: TensorSpec) -> "torch.Tensor":
 
     dtype = getattr(torch, spec.dtype)
     return flat[spec.offset : spec.offset + spec.nbytes].view(dtype).view(spec.shape)
+
+
+class PortTransfer:
+    """The trainer's ``TensorTransfer`` shape (``services/trainer/transfer.py``) over the port:
+    ``await put(tensors) -> {"kind": "port", ...}`` publishes a snapshot, ``await get(desc)``
+    pulls it. The publisher keeps its newest ``keep`` snapshots registered and unpublishes
+    older ones (a reader must pull before ``keep`` newer puts; weights: the last versions,
+    gradients: the micro-steps not yet reduced)."""
+
+    kind = "port"
+
+    def __init__(self, agent: TransferAgent | None = None, *, keep: int = 4, checksums: bool = False) -> None:
+        self.agent, self.keep, self.checksums = agent, keep, checksums
+        self._published: list[WeightsDescriptor] = []
+
+    async def put(self, tensors: Mapping[str, "torch.Tensor"], *, version: str | None = None) -> dict[str, Any]:
+        import asyncio
+
+        desc = await asyncio.to_thread(publish_weights, tensors, version=version, agent=self.agent,
+                                       checksums=self.checksums)
+        self._published.append(desc)
+        while len(self._published) > self.keep:
+            unpublish_weights(self._published.pop(0), agent=self.agent)
+        return {"kind": self.kind, **desc.to_json()}
+
+    async def get(self, descriptor: dict[str, Any]) -> dict[str, "torch.Tensor"]:
+        import asyncio
+
+        return await asyncio.to_thread(pull_weights, WeightsDescriptor.from_json(descriptor), agent=self.agent)
