@@ -117,10 +117,16 @@ class LocalStack:
         if proc.poll() is not None:
             self.failed[name] = f"exited {proc.returncode}: {self.tail(name)}"
             return False
-        if subprocess.run(self.healthcheck(name), capture_output=True, timeout=10).returncode != 0:
+        port = self.healthcheck(name)[-1]
+        try:  # poll in-process; the compose healthcheck itself runs once /health answers
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).close()
+        except (OSError, ValueError):
             return None
+        run = subprocess.run(self.healthcheck(name), capture_output=True, text=True, timeout=30)
+        if run.returncode != 0:
+            self.failed[name] = f"/health answers but the compose healthcheck fails: {run.stderr[-300:]}"
+            return False
         if cat.serve_name(self.services[name]["command"]) not in cat.WITHOUT_METRICS:
-            port = self.healthcheck(name)[-1]
             status = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).status
             if status != 200:
                 self.failed[name] = f"/metrics answered {status}"

@@ -8,14 +8,12 @@ import json
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.deploy import _catalog as cat
-
-INFRA = {"nats", "postgres"}
-
 
 @pytest.fixture(scope="module")
 def compose() -> dict:
@@ -179,7 +177,7 @@ def test_every_compose_service_runs_locally_and_becomes_healthy(compose, nats_se
 def test_healthcheck_script_reports_an_unreachable_service(tmp_path):
     from libs.common.natsserver import free_port
 
-    run = subprocess.run(["python3", str(cat.HEALTHCHECK), str(free_port())], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, str(cat.HEALTHCHECK), str(free_port())], capture_output=True, text=True,
                          timeout=30)
     assert run.returncode == 1 and "/health" in run.stderr
 

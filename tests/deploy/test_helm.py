@@ -94,7 +94,7 @@ def test_every_gyre_container_runs_a_known_service_with_probes_on_its_port(rende
             if probe_port != port or c["readinessProbe"]["httpGet"]["path"] != "/health":
                 problems.append(f"{doc['metadata']['name']}/{c['name']}: probes must ask /health on --port {port}")
     assert not problems, "\n".join(problems)
-    assert {"projector", "proxy", "scheduler", "trajectory", "evaluator", "cell"} <= seen
+    assert {"projector", "proxy", "scheduler", "trajectory", "evaluator", "runner", "cell"} <= seen
 
 
 def test_environment_names_are_read_by_the_code(rendered):
@@ -236,13 +236,15 @@ def test_gpu_cells_get_gpus_sglang_and_megatron_sizes():
         assert pod["tolerations"] and pod["nodeSelector"]
 
 
-def test_the_evaluator_mounts_its_task_set_where_the_image_expects_it():
+def test_the_evaluator_and_runner_mount_the_task_set_where_they_look_for_it():
     for name in ("default", "gpu"):
-        evaluator = by_kind(render(values_of(name)), "Deployment")["gyre-evaluator"]
-        mounts = {m["mountPath"]: m["name"] for m in containers(evaluator)[0]["volumeMounts"]}
-        volume = next(v for v in evaluator["spec"]["template"]["spec"]["volumes"]
-                      if v["name"] == mounts[cat.image_env()["GYRE_EVALUATOR_TASKS_DIR"]])
-        assert ("persistentVolumeClaim" in volume) == (name == "gpu")
+        deployments = by_kind(render(values_of(name)), "Deployment")
+        for service, variable in (("evaluator", "GYRE_EVALUATOR_TASKS_DIR"), ("runner", "GYRE_TASKS_DIR")):
+            pod = deployments[f"gyre-{service}"]
+            env = {**cat.image_env(), **{e["name"]: e.get("value") for e in containers(pod)[0]["env"]}}
+            mounts = {m["mountPath"]: m["name"] for m in containers(pod)[0]["volumeMounts"]}
+            volume = next(v for v in pod["spec"]["template"]["spec"]["volumes"] if v["name"] == mounts[env[variable]])
+            assert ("persistentVolumeClaim" in volume) == (name == "gpu")
 
 
 def test_sglang_flags_are_the_ones_gyres_launcher_uses():

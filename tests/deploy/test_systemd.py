@@ -104,7 +104,8 @@ def test_every_service_has_a_unit():
         command = one(parse(unit), "Service", "ExecStart").split()
         if command[0].endswith("/gyre"):
             names.add(command[2])
-    assert {"projector", "proxy", "scheduler", "trajectory", "trainer", "evaluator", "engine", "cell"} <= names
+    assert {"projector", "proxy", "scheduler", "trajectory", "trainer", "evaluator", "runner", "engine",
+            "cell"} <= names
 
 
 def env_files() -> list[Path]:
