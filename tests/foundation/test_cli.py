@@ -132,6 +132,7 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     figures = json.loads(summary.read_text())
     assert figures["steps"] == 1 and figures["agent_errors"] == 0 and not figures["errors"]
+    assert figures["replay_identical"] is True  # trees and samples rebuilt from the log match
     report = json.loads((runs / "e2e" / "report.json").read_text())
     assert report["rollouts"] == 2 and report["scored"] == 2 and report["calls"] >= 2
     assert (runs / "e2e" / "reward.png").exists() and (runs / "e2e" / "report.html").exists()
