@@ -69,6 +69,32 @@ def up(
     raise typer.Exit(run_up(settings, cfg, check=check, duration=duration, json_summary=json_summary))
 
 
+@app.command("eval")
+def eval_(
+    overrides: Annotated[Optional[list[str]], typer.Argument(help="run-config overrides: key.path=value")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", "-c", help="run config YAML")] = None,
+    split: Annotated[str, typer.Option(help="task split: heldout | train | all")] = "heldout",
+    json_summary: Annotated[Optional[Path], typer.Option(help="write the result here as JSON")] = None,
+) -> None:
+    """Greedy success of the configured policy on a task split: each task once, temperature
+    0, through the same harness, proxy and evaluator as training (no updates)."""
+    from gyre.up import run_up
+    from libs.common.runconfig import RunConfigError, load_run_config
+
+    try:
+        base = load_run_config(config, list(overrides or []))
+        cfg = load_run_config(config, [*(overrides or []), f"tasks.split={split}", "tasks.per_step=1000",
+                                       "group_size=1", "run.steps=1", "sampling.temperature=0",
+                                       f"run.id={base.run.id}-eval-{split}"])
+    except RunConfigError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    settings = _settings(run_dir=cfg.run_dir, run_id=cfg.run.id, nats_url=cfg.bus.nats_url,
+                         database_url=cfg.storage.database_url)
+    _logging(settings)
+    raise typer.Exit(run_up(settings, cfg, json_summary=json_summary, eval_split=split))
+
+
 @app.command()
 def report(
     run: Annotated[str, typer.Argument(help="run id (its folder is runs/<run>)")],

@@ -36,6 +36,8 @@ class Progress:
     status: str = "starting"
     errors: list[str] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
+    last_tasks: list[str] = field(default_factory=list)
+    last_scores: list[float] = field(default_factory=list)
 
     def row(self) -> str:
         last = f"{self.rewards[-1]:.3f}" if self.rewards else "-"
@@ -73,7 +75,7 @@ async def _step_applied(bus: JetStreamBus, run_id: str, step: int, timeout_s: fl
 
 async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Progress, *,
                     trainer_running: bool, score_timeout_s: float = 900.0) -> Progress:
-    from services.runner.harness import PRESETS
+    from services.runner.harness import PRESETS, gyre_agent
     from services.runner.main import create_runner, runner_config
     from services.runner.tasks import load_tasks
 
@@ -89,6 +91,10 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
         }), bus=bus, blobs=blobs)
         if cfg.harness.name not in PRESETS:
             raise ValueError(f"unknown harness {cfg.harness.name!r}")
+        harness = PRESETS[cfg.harness.name]
+        if cfg.harness.name == "gyre_agent":  # the run config's API and sampling reach the reference harness
+            harness = gyre_agent(cfg.harness.api, "--temperature", str(cfg.sampling.temperature),
+                                 "--max-tokens", str(cfg.sampling.max_tokens))
         split = None if cfg.tasks.split == "all" else cfg.tasks.split
         tasks = load_tasks(Path(cfg.tasks.dir) if cfg.tasks.dir else None, split=split)
         if not tasks:
@@ -98,14 +104,17 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
         for step in range(cfg.run.steps):
             progress.step, progress.status = step, "rollouts"
             chosen = rng.sample(tasks, min(cfg.tasks.per_step, len(tasks)))
+            progress.last_tasks = [t.task_id for t in chosen]
             progress.running += len(chosen) * cfg.group_size
-            outcomes = await runner.run_step(step, chosen, cfg.group_size, weight_version=progress.weight_version)
+            outcomes = await runner.run_step(step, chosen, cfg.group_size, weight_version=progress.weight_version,
+                                             harness=harness)
             progress.running -= len(outcomes)
             progress.finished += sum(1 for o in outcomes if o.status == "finished")
             progress.timed_out += sum(1 for o in outcomes if o.status == "timed_out")
             progress.status = "scoring"
             rewards = await _scores(bus, cfg.run.id, {o.rollout_id for o in outcomes}, score_timeout_s)
             progress.scored += len(rewards)
+            progress.last_scores = list(rewards.values())
             progress.rewards.append(sum(rewards.values()) / max(len(rewards), 1))
             if trainer_running:
                 progress.status = "training"
@@ -130,3 +139,12 @@ def summary(progress: Progress, *, role_switches: int, agent_errors: int) -> dic
         "role_switches": role_switches, "agent_errors": agent_errors, "replay_identical": None,
         "wall_s": round(time.monotonic() - progress.started, 1), "errors": progress.errors,
     }
+
+
+def eval_summary(progress: Progress, split: str) -> dict[str, Any]:
+    """Greedy success on a split: one rollout per task, temperature 0 (``gyre eval``)."""
+    scores = progress.last_scores
+    return {"split": split, "tasks": len(progress.last_tasks), "scored": len(scores),
+            "mean_score": round(sum(scores) / max(len(scores), 1), 4),
+            "pass_rate": round(sum(1 for s in scores if s >= 1.0) / max(len(scores), 1), 4),
+            "errors": progress.errors}

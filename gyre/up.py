@@ -169,7 +169,7 @@ def _admin_token(settings: GyreSettings) -> str:
 
 
 def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, duration: float = 0.0,
-           json_summary: Path | None = None) -> int:
+           json_summary: Path | None = None, eval_split: str | None = None) -> int:
     console = Console(stderr=check)
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     log_dir = settings.run_dir / "logs"
@@ -192,7 +192,7 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
         env = {**os.environ, "GYRE_NATS_URL": settings.nats_url or "", "GYRE_RUN_ID": settings.run_id,
                "GYRE_RUN_DIR": str(settings.run_dir), "GYRE_DATABASE_URL": settings.sqlalchemy_url}
         plan = plan_stack(cfg, _admin_token(settings))
-        job = None if check else MainJob(cfg, settings.nats_url or "", proxy_url(plan))
+        job = None if check else MainJob(cfg, settings.nats_url or "", proxy_url(plan), eval_split=eval_split)
         code = _watch(settings, plan, children, env, console, check=check, duration=duration,
                       stopping=lambda: stopping, job=job)
         if job is not None:
@@ -220,10 +220,11 @@ def proxy_url(plan: list[Launch]) -> str:
 class MainJob:
     """The RL steps, run in a thread of their own once the stack is healthy."""
 
-    def __init__(self, cfg: RunConfig, nats_url: str, proxy: str) -> None:
+    def __init__(self, cfg: RunConfig, nats_url: str, proxy: str, *, eval_split: str | None = None) -> None:
         from gyre.run import Progress
 
         self.cfg, self.nats_url, self.proxy = cfg, nats_url, proxy
+        self.eval_split = eval_split
         self.progress = Progress(steps=cfg.run.steps)
         self.thread: threading.Thread | None = None
         self.error: BaseException | None = None
@@ -234,7 +235,7 @@ class MainJob:
         def target() -> None:
             try:
                 asyncio.run(run_steps(self.cfg, self.nats_url, self.proxy, self.progress,
-                                      trainer_running="trainer" in SERVICES))
+                                      trainer_running="trainer" in SERVICES and self.eval_split is None))
             except BaseException as exc:  # shown by finish(); the stack is stopped either way
                 self.error = exc
                 self.progress.status = f"failed: {exc!r}"
@@ -247,7 +248,14 @@ class MainJob:
         return self.thread is not None and not self.thread.is_alive()
 
     def finish(self, settings: GyreSettings, json_summary: Path | None, console: Console) -> int:
-        from gyre.run import summary
+        from gyre.run import eval_summary, summary
+
+        if self.eval_split is not None:
+            result = eval_summary(self.progress, self.eval_split)
+            if json_summary is not None:
+                json_summary.write_text(json.dumps(result, indent=2))
+            console.print(json.dumps(result))
+            return 1 if self.error is not None else 0
 
         try:
             path = asyncio.run(rebuild_report(settings))

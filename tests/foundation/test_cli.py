@@ -140,3 +140,14 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     res = gyre("report", "e2e", "--runs-dir", str(runs), timeout=120)  # from the stored log alone
     assert res.returncode == 0, res.stderr
     assert json.loads((runs / "e2e" / "report.json").read_text())["rollouts"] == 2
+
+
+def test_eval_scores_each_heldout_task_once_greedily(tmp_path) -> None:
+    out = tmp_path / "eval.json"
+    res = gyre("eval", "cells.count=1", f"run.dir={tmp_path}", "--json-summary", str(out), timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    result = json.loads(out.read_text())
+    from services.runner.tasks import load_tasks
+
+    assert result["split"] == "heldout" and result["tasks"] == len(load_tasks(split="heldout")) >= 1
+    assert result["scored"] == result["tasks"] and 0.0 <= result["pass_rate"] <= 1.0 and not result["errors"]
