@@ -206,7 +206,7 @@ def _count(metrics: Metrics, api: str, fin: Finished, started: float) -> None:
     metrics.latency.labels(api).observe(time.monotonic() - started)
     metrics.tokens.labels("prompt").inc(fin.prompt_tokens)
     metrics.tokens.labels("completion").inc(fin.completion_tokens)
-    metrics.calls.labels(api, "-", "true").inc()
+    metrics.calls.labels(api, fin.drift or "unknown", "true").inc()
 
 
 def require_admin(request: Request, token: str | None) -> None:

@@ -182,7 +182,7 @@ class ProxyService:
         stop_seq = out.matched_stop if isinstance(out.matched_stop, str) else None
         yield Finished(reason if not stop_seq else "stop_sequence", len(call.input_ids), len(call.output_ids),
                        out.cached_tokens, call.parsed.content, tuple(call.parsed.tool_calls), call.parsed.reasoning,
-                       call.call_id, stop_seq)
+                       call.call_id, stop_seq, call.plan.drift.value)
 
     # -- recording ---------------------------------------------------------------------
 

@@ -92,6 +92,7 @@ class Finished:
     reasoning: str | None
     call_id: str
     stop_sequence: str | None = None
+    drift: str = ""  # the call's TITO drift class
 
 
 GenEvent = TextDelta | ThinkingDelta | ToolCallDone | Finished
