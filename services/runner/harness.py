@@ -108,10 +108,20 @@ CODEX = HarnessConfig(
     program="codex", install_hint="npm install -g @openai/codex",
 )
 
-PRESETS: dict[str, HarnessConfig] = {
+BUILTIN_PRESETS: dict[str, HarnessConfig] = {
     "gyre_agent": gyre_agent(),
     "gyre_agent_anthropic": replace(gyre_agent("anthropic"), name="gyre_agent"),
     "mini_swe_agent": MINI_SWE_AGENT,
     "claude_code": CLAUDE_CODE,
     "codex": CODEX,
 }
+
+
+def presets() -> dict[str, HarnessConfig]:
+    """The built-in presets plus harnesses installed as ``gyre.harnesses`` plugins."""
+    from libs.common.plugins import merged
+
+    return {k: v for k, v in merged(BUILTIN_PRESETS, "gyre.harnesses").items() if isinstance(v, HarnessConfig)}
+
+
+PRESETS = presets()

@@ -64,6 +64,18 @@ HARNESS_RULES["generic"] = HARNESS_RULES["openai_tools"]
 # Gyre's reference harness (`gyre agent`) shapes its sub-agents and compactions as Claude Code does.
 HARNESS_RULES["gyre_agent"] = HarnessRules("gyre_agent", ("agent_id",), "unnamed", True)
 
+
+def _with_plugins() -> None:
+    """Fork rules installed as ``gyre.fork_rules`` plugins (built-ins keep their names)."""
+    from libs.common.plugins import merged
+
+    for name, rules in merged(dict(HARNESS_RULES), "gyre.fork_rules").items():
+        if name not in HARNESS_RULES and isinstance(rules, HarnessRules):
+            HARNESS_RULES[name] = rules
+
+
+_with_plugins()
+
 # Texts a Claude Code compaction carries (claude-code-forks.md); the adapter tokenises them.
 CLAUDE_CODE_SUMMARY_TEXTS = (
     "Your task is to create a detailed summary of the conversation so far",
