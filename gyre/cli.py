@@ -225,11 +225,20 @@ def replay(
     database_url: Annotated[Optional[str], typer.Option(help="database to rebuild into [GYRE_DATABASE_URL]")] = None,
     run_id: Annotated[Optional[str], typer.Option("--run", help="only this run's events")] = None,
     trees: Annotated[bool, typer.Option("--trees", help="rebuild the run's trees and samples instead; compare")] = False,
+    step: Annotated[Optional[int], typer.Option("--step", help="recompute training step N from the checkpoint before it")] = None,
+    run_dir: RunDir = None,
 ) -> None:
     """Rebuild the read models (or, with --trees, the trajectory trees and samples) from
     the log alone; prints digests / the comparison as JSON."""
     from gyre.events_cmd import replay as do_replay
 
+    if step is not None:
+        from gyre.events_cmd import replay_training_step
+
+        settings = _settings(run_id=run_id, run_dir=run_dir)
+        result = asyncio.run(replay_training_step(settings, step))
+        typer.echo(json.dumps(result))
+        raise typer.Exit(0 if result.get("match") else 3)
     if trees:
         from gyre.events_cmd import _require_nats, replay_trees
 
@@ -249,6 +258,7 @@ def bench(
     name: Annotated[str, typer.Argument(help="benchmark name (see `gyre bench --list`)")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object as the last line")] = False,
     n: Annotated[int, typer.Option(help="size (benchmark-specific; 0 = its default)")] = 0,
+    backend: Annotated[str, typer.Option(help="train: torch | megatron")] = "torch",
     list_: Annotated[bool, typer.Option("--list", help="list the benchmarks")] = False,
 ) -> None:
     """Run a benchmark; with --json its result is one JSON object on the last line."""
@@ -262,7 +272,8 @@ def bench(
         typer.echo(f"error: unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", err=True)
         raise typer.Exit(2)
     fn, _ = BENCHMARKS[name]
-    result = fn(n=n or None, progress=not as_json)
+    extra = {"backend": backend} if name == "train" else {}
+    result = fn(n=n or None, progress=not as_json, **extra)
     if as_json:
         typer.echo(json.dumps(result))
     else:

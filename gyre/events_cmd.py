@@ -167,3 +167,31 @@ async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
         await bus.close()
     return {"recorded": len(recorded), "replayed": len(replayed),
             "identical": sorted(map(repr, recorded)) == sorted(map(repr, replayed))}
+
+
+async def replay_training_step(settings: GyreSettings, step: int) -> dict[str, Any]:
+    """Rebuild step ``step``'s micro-steps from the log and recompute its loss from the
+    checkpoint before it (what the core trainer recorded in ``StepApplied``)."""
+    from libs.common.blobs import ObjectStoreBlobStore
+    from libs.common.natsserver import EmbeddedNats
+    from services.trainer.main import build_backend, train_config
+    from services.trainer.replay import replay_step
+
+    nats = None
+    url = settings.nats_url
+    if not url:  # a finished embedded run: reopen its store
+        nats = EmbeddedNats(settings.nats_store_dir).start()
+        url = nats.url
+    try:
+        bus = await JetStreamBus.connect(url, name="gyre-replay-step")
+        try:
+            blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
+            options: dict[str, Any] = {}
+            return await replay_step(bus, blobs, run_id=settings.run_id, step=step,
+                                     checkpoint_dir=settings.run_dir / "trainer" / "checkpoints",
+                                     backend=build_backend(options), train=train_config(options))
+        finally:
+            await bus.close()
+    finally:
+        if nats is not None:
+            nats.stop()

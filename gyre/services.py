@@ -75,6 +75,23 @@ async def runner_main(ctx: ServiceContext) -> None:
     await run(ctx)
 
 
+async def trainer_main(ctx: ServiceContext) -> None:
+    import os
+
+    from services.trainer.main import trainer_main as run
+
+    env = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYRE_TRAINER_BACKEND",
+           "model": "GYRE_MODEL", "lr": "GYRE_TRAINER_LR", "publish_to": "GYRE_TRAINER_PUBLISH_TO",
+           "groups_per_step": "GYRE_TRAINER_GROUPS_PER_STEP", "checkpoint_dir": "GYRE_TRAINER_CHECKPOINT_DIR",
+           "eps_low": "GYRE_TRAINER_EPS_LOW", "eps_high": "GYRE_TRAINER_EPS_HIGH", "tis_cap": "GYRE_TRAINER_TIS_CAP",
+           "kl_coef": "GYRE_TRAINER_KL_COEF", "max_staleness": "GYRE_TRAINER_MAX_STALENESS",
+           "transfer": "GYRE_TRAINER_TRANSFER", "tp": "GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE"}
+    for option, var in env.items():
+        if os.environ.get(var) and option not in ctx.options:
+            ctx.options[option] = os.environ[var]
+    await run(ctx)
+
+
 SERVICES: dict[str, ServiceSpec] = {
     "projector": ServiceSpec("projector", projector_main, database=True,
                              summary="applies the event log to the SQL read models"),
@@ -83,6 +100,8 @@ SERVICES: dict[str, ServiceSpec] = {
     "evaluator": ServiceSpec("evaluator", evaluator_main,
                              summary="scores finished and timed-out rollouts from their artifacts, in sandboxes"),
     "cell": ServiceSpec("cell", cell_main, summary="cell agent: carries out the scheduler's role switches for one cell"),
+    "trainer": ServiceSpec("trainer", trainer_main,
+                           summary="trainer: tree-attention policy optimisation, core cell and satellites, weight publication"),
     "runner": ServiceSpec("runner", runner_main,
                           summary="starts agent harnesses for a step's tasks, enforces time limits, snapshots workspaces"),
     "scheduler": ServiceSpec("scheduler", scheduler_main,

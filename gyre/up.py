@@ -89,6 +89,15 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
                            {**common, "GYRE_CELL_NAME": f"c{i}", "GYRE_CELL_ENGINE_URL": f"http://127.0.0.1:{port}",
                             "GYRE_PROXY_URL": proxy_url, "GYRE_CELL_CORE": "1" if i == 0 else "0"}, 1))
     if cells:
+        engines = ",".join(f"c{i}=http://127.0.0.1:{launch.port}"
+                           for i, launch in enumerate(x for x in plan if x.service == "engine"))
+        plan.append(Launch("trainer", "trainer", free_port(), {
+            **common, "GYRE_TRAINER_ROLE": "core", "GYRE_TRAINER_CELL": "c0", "GYRE_TRAINER_BACKEND": cfg.trainer.backend,
+            "GYRE_TRAINER_LR": str(cfg.trainer.lr), "GYRE_TRAINER_PUBLISH_TO": engines,
+            "GYRE_TRAINER_GROUPS_PER_STEP": str(cfg.tasks.per_step), "GYRE_TRAINER_EPS_LOW": str(cfg.loss.clip_low),
+            "GYRE_TRAINER_EPS_HIGH": str(cfg.loss.clip_high), "GYRE_TRAINER_KL_COEF": str(cfg.loss.kl_coef),
+            "GYRE_TRAINER_MAX_STALENESS": str(cfg.trainer.staleness),
+            **({"GYRE_TRAINER_TIS_CAP": str(cfg.loss.tis_cap)} if cfg.loss.tis_cap else {})}, 1))
         plan.append(Launch("scheduler", "scheduler", free_port(), {**common, "GYRE_PROXY_URL": proxy_url}, 2))
     return plan
 
@@ -235,7 +244,7 @@ class MainJob:
         def target() -> None:
             try:
                 asyncio.run(run_steps(self.cfg, self.nats_url, self.proxy, self.progress,
-                                      trainer_running="trainer" in SERVICES and self.eval_split is None))
+                                      trainer_running=self.cfg.cells.count > 0 and self.eval_split is None))
             except BaseException as exc:  # shown by finish(); the stack is stopped either way
                 self.error = exc
                 self.progress.status = f"failed: {exc!r}"

@@ -58,9 +58,16 @@ def _engine(n: int | None = None, progress: bool = True) -> dict[str, Any]:
     return run_bench()
 
 
+def _train(n: int | None = None, progress: bool = True, backend: str = "torch") -> dict[str, Any]:
+    from services.trainer.bench import run_bench
+
+    return run_bench(backend)
+
+
 BENCHMARKS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "bus": (_bus, "raw nats-py vs Gyre's bus: publish and durable consume rates (ratios >= 0.8)"),
     "engine": (_engine, "embedded engine vs transformers generate (batch 1 and 8) and the prefix cache on a 4k prefix"),
+    "train": (_train, "tree-packed training vs per-branch training: tokens, step time, loss equality (--backend)"),
     "tree": (_tree, "trajectory trees: storage and training-token savings of prefix merging (--n 1: small)"),
     "proxy": (_proxy, "recording proxy overhead vs the same /generate bodies sent direct (1k/32k/256k contexts)"),
     "switch": (_switch, "embedded cell switches inference<->training with live sessions vs a cold engine restart"),

@@ -16,6 +16,6 @@ Backends (``backends/``, one Protocol): ``torch_hf`` (transformers model) and
 Adapters and wiring: ``transfer`` (gradients/weights between cells: in-process, blob
 store), ``worker`` (a cell's work loop on the JetStream work queue), ``core`` (the core
 cell's updates), ``publish`` (weights to inference cells via EngineClient), ``replay``
-(``gyre replay --step N``), ``bench`` (``gyre bench train``), ``main``
-(``gyre serve trainer``).
+(``gyre replay --step N``), ``bench`` (``gyre bench train``), ``seat`` (a satellite
+as the cell agent hosts it: join/leave), ``main`` (``gyre serve trainer``), ``gpu_check``.
 """

@@ -15,6 +15,7 @@ three equal). Tensors are [b, heads, s, d] as SDPA takes them; b is 1 for a pack
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Literal
 
@@ -112,9 +113,7 @@ class TreeAttention:
         if self.mode == "dense":
             return F.scaled_dot_product_attention(q, k, v, attn_mask=self._dense, scale=scale)
         if self.mode == "flex":
-            from torch.nn.attention.flex_attention import flex_attention
-
-            return flex_attention(q, k, v, block_mask=self._flex, scale=scale)
+            return _flex_attention(q.is_cuda)(q, k, v, block_mask=self._flex, scale=scale)
         parts = []
         for blk in self._blocks:
             kv = blk.kv_index.to(q.device)
@@ -122,3 +121,12 @@ class TreeAttention:
                 q[:, :, blk.start:blk.stop], k[:, :, kv], v[:, :, kv],
                 attn_mask=blk.mask.to(q.device), scale=scale))
         return torch.cat(parts, dim=2)
+
+
+@functools.cache
+def _flex_attention(cuda: bool):
+    """Compiled on GPU (the eager version materialises the scores; it is what CPU runs,
+    forward only, in tests). Untested here: this machine has no GPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True) if cuda else flex_attention

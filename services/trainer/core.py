@@ -8,10 +8,13 @@ is dropped and the core computes that micro-step again itself (its requeue). Whe
 every micro-step of the step is in, it applies one update (or none when a loss or the
 gradient is not finite: weights unchanged, the step marked), publishes ``StepApplied``,
 the new weights (blob + ``WeightsPublished``, then to the inference cells), and writes
-a checkpoint with the consumed training-stream position.
+a checkpoint with the consumed training-stream position. Step ``s`` always trains on
+weight version ``s``: a skipped update still moves the version on (same weights).
 
 A step's size: ``MicroStepQueued.micro_steps_in_step`` when the trajectory service sets
-it, else every micro-step of ``groups_per_step`` groups.
+it, else every micro-step of ``groups_per_step`` groups (weaker: a group's micro-steps
+read only in part when the count is reached would close the step early; the trajectory
+service should set ``micro_steps_in_step``).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -64,7 +68,6 @@ class CoreTrainer:
         self.state = TrainerState()
         self.plans: dict[int, _StepPlan] = {}
         self.reducer = StepReducer(0, 0)
-        self.applied = asyncio.Event()
         self._lock = asyncio.Lock()
 
     # -------------------------------------------------------------------- start / resume
@@ -114,6 +117,9 @@ class CoreTrainer:
         plan.groups.add(ev.group_id)
         if ev.micro_steps_in_step:
             plan.expected = ev.micro_steps_in_step
+        r = self.reducer
+        if ev.step == self.state.step and ev.micro_step in r.dropped and ev.micro_step not in r.used:
+            await self._recompute(ev)  # its stale result came in before this event
         await self._maybe_finish()
 
     async def on_done(self, ev: MicroStepDone, seq: int = 0) -> None:
@@ -123,7 +129,7 @@ class CoreTrainer:
             return  # an applied step's straggler, or a duplicate
         try:
             result = await result_from_done(ev, self.gradients)
-        except LookupError as exc:  # e.g. an in-memory gradient lost with a restart: compute it here
+        except Exception as exc:  # lost with a restart, or its sender gone: compute it here instead
             log.info("core: gradient of %s unavailable (%s); computes it again", ev.micro_step, exc)
             result = replace(await result_from_done(_without_transfer(ev), self.gradients), weight_version=-1)
         if not self.reducer.add(result):
@@ -159,16 +165,20 @@ class CoreTrainer:
         r = self.reducer
         applied = r.apply(self.backend, self.optimizer, self.settings.train)
         stats = r.loss_stats()
+        stats["loss_finite"] = 1.0 if math.isfinite(stats["loss"]) else 0.0
+        stats = {k: v for k, v in stats.items() if math.isfinite(v)}  # JSON has no NaN: left out
         stats["applied"] = 1.0 if applied else 0.0
-        if applied:
-            self.state.weight_version += 1
-        else:
+        if not applied:
             log.warning("core: step %d not applied (non-finite loss or gradient: %s)", r.step, r.non_finite)
+        # The version moves on either way (a skipped step republishes the same weights), so
+        # "step s trains on version s" holds and every cell can tell what to wait for.
+        self.state.weight_version += 1
         plan = self.plans.pop(self.state.step)
         cause = next(iter(plan.queued.values()))
         stats["rejected_samples"] = float(len(r.rejected))
         await self.bus.publish(StepApplied(**cause.caused(
-            event_id=_event_id(self.settings.run_id, "StepApplied", r.step), step=r.step, weight_version=self.state.weight_version, micro_steps_used=list(r.used),
+            event_id=_event_id(self.settings.run_id, "StepApplied", r.step), step=r.step,
+            weight_version=self.state.weight_version, micro_steps_used=list(r.used),
             micro_steps_dropped=list(r.dropped) + list(r.non_finite), loss=stats)))
         self.state.history.append({"step": r.step, **stats})
         self.state.step += 1
@@ -176,8 +186,6 @@ class CoreTrainer:
         await self._publish_weights(cause)
         if self.settings.checkpoint_dir:
             save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
-        self.applied.set()
-        self.applied = asyncio.Event()
 
     async def _publish_weights(self, cause) -> None:
         from safetensors.torch import save

@@ -4,7 +4,8 @@ The lead registers ``SPEC`` in ``gyre/services.py``. Options (run config or comm
 line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
 ``megatron``), ``model`` (an HF folder or ``tiny-qwen``), ``tp``, ``lr``, ``eps_low``,
 ``eps_high``, ``tis_cap``, ``kl_coef``, ``max_grad_norm``, ``groups_per_step``,
-``checkpoint_dir``, ``max_staleness``, ``ack_wait_s``, ``publish_to``
+``checkpoint_dir``, ``max_staleness``, ``ack_wait_s``, ``transfer`` (``blob`` |
+``port``: how satellites send gradients; the core reads either), ``publish_to``
 (``cell=url,cell=url``: inference cells to publish weights to), ``publish_mode``
 (``tensor`` | ``disk``).
 """
@@ -59,7 +60,8 @@ def build_backend(options: dict[str, Any]):
                                 intermediate_size=c.intermediate_size, num_layers=c.num_hidden_layers,
                                 num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                 rope_theta=_rope_theta(c),
-                                rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings)
+                                rms_norm_eps=c.rms_norm_eps, tie_word_embeddings=c.tie_word_embeddings,
+                                qkv_bias=bool(getattr(c, "attention_bias", c.model_type == "qwen2")))
         backend = MegatronBackend(shape, tp=_opt(options, "tp", int, 1))
         backend.load_hf_state_dict(hf.hf_state_dict())
         return backend
@@ -72,6 +74,13 @@ def _rope_theta(config) -> float:
     if params.get("rope_type", "default") != "default":
         raise ValueError(f"RoPE scaling {params.get('rope_type')!r} is not converted to megatron yet")
     return float(params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+
+
+def _port_transfer():
+    """The shared transfer port (Mooncake / UCX; TCP on loopback here) for gradients."""
+    from libs.common.transfer.weights import PortTransfer
+
+    return PortTransfer()
 
 
 def _publisher(options: dict[str, Any], admin_token: str | None, run_dir: Path):
@@ -101,7 +110,9 @@ async def trainer_main(ctx: ServiceContext) -> None:
     run_id, role = rt.settings.run_id, _opt(options, "role", str, "core")
     cell = _opt(options, "cell", str, role)
     train = train_config(options)
-    gradients = BlobTransfer(rt.blobs)
+    blob = BlobTransfer(rt.blobs)
+    port = _port_transfer() if _opt(options, "transfer", str, "blob") == "port" else None
+    gradients = port or blob
     worker_settings = WorkerSettings(run_id, cell, train, max_staleness=_opt(options, "max_staleness", int, None),
                                      ack_wait_s=_opt(options, "ack_wait_s", float, 600.0))
     if role == "satellite":
@@ -113,13 +124,21 @@ async def trainer_main(ctx: ServiceContext) -> None:
         return
     checkpoints = Path(_opt(options, "checkpoint_dir", str, str(rt.settings.run_dir / "trainer" / "checkpoints")))
     local = InProcessTransfer()  # the core's own worker hands its gradients over in memory
-    core = CoreTrainer(CoreSettings(run_id, cell, train, checkpoints, _opt(options, "groups_per_step", int, None)),
-                       await asyncio.to_thread(build_backend, options), bus=rt.bus, blobs=rt.blobs,
-                       gradients=RoutedTransfer(gradients, memory=local, blob=gradients), publish=_publisher(options, rt.settings.admin_token, rt.settings.run_dir))
+    settings = CoreSettings(run_id, cell, train, checkpoints, _opt(options, "groups_per_step", int, None))
+    publisher = _publisher(options, rt.settings.admin_token, rt.settings.run_dir)
+    core = CoreTrainer(settings, await asyncio.to_thread(build_backend, options), bus=rt.bus, blobs=rt.blobs,
+                       gradients=RoutedTransfer(gradients, memory=local, blob=blob, port=port or _port_transfer()),
+                       publish=publisher)
     worker = MicroStepWorker(worker_settings, await asyncio.to_thread(build_backend, options), bus=rt.bus,
                              blobs=rt.blobs, gradients=local, weights=CoreWeightSource(core))
     ctx.health.ok(role=role, cell=cell, checkpoints=str(checkpoints))
-    await asyncio.gather(core.run(ctx.stop), worker.run(ctx.stop))
+    try:
+        await asyncio.gather(core.run(ctx.stop), worker.run(ctx.stop))
+    finally:
+        if publisher is not None:
+            await publisher.close()
+            for client in publisher.clients.values():
+                await client.aclose()
 
 
 SPEC = ServiceSpec("trainer", trainer_main,

@@ -7,16 +7,20 @@ an HF folder (safetensors + the model's ``config.json``) and each cell loads it 
 ``/update_weights_from_disk``. Running rollouts go on: the engine applies an update
 between forward steps and every output token keeps the version that produced it.
 
-``update_weights_from_distributed`` (a gloo/NCCL broadcast group between the core and
-the cells) is not wired yet: the engine side exists, the trainer's broadcast does not.
+``distributed``: the core hosts a gloo broadcast group (rank 0; each cell joins with
+``/init_weights_update_group`` on the first publication) and broadcasts every tensor
+while each cell receives it through ``/update_weights_from_distributed`` (SGLang's
+rendezvous, :func:`services.engine.weights.join_weight_group`; NCCL on GPU clusters is
+the same call with ``backend="nccl"``, not exercised here).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -28,11 +32,18 @@ log = logging.getLogger(__name__)
 @dataclass
 class EnginePublisher:
     clients: dict[str, object]  # cell -> services.engine.client.EngineClient
-    mode: Literal["tensor", "disk"] = "tensor"
+    mode: Literal["tensor", "disk", "distributed"] = "tensor"
     folder: Path | None = None  # disk mode: where versions are written
     hf_config: Path | None = None  # disk mode: the model's config.json
+    master_address: str = "127.0.0.1"  # distributed mode: where the core hosts the group
+    master_port: int = 0  # 0: a free port
+    group_name: str = "gyre-weights"
+    _group: object = field(default=None, repr=False)
+    _store: object = field(default=None, repr=False)
 
     async def __call__(self, version: int, weights: dict[str, torch.Tensor]) -> list[str]:
+        if self.mode == "distributed":
+            return await self._broadcast(version, weights)
         done = []
         path = self._write(version, weights) if self.mode == "disk" else None
         for cell, client in self.clients.items():
@@ -72,3 +83,57 @@ class EnginePublisher:
         shutil.copy(self.hf_config, target / "config.json")
         (target / "gyre_weights.json").write_text(json.dumps({"weight_version": version}) + "\n")
         return target
+
+    async def _broadcast(self, version: int, weights: dict[str, torch.Tensor]) -> list[str]:
+        """All cells or none: a broadcast group fails as a whole."""
+        from services.engine.weights import broadcast_rank0
+
+        if self._group is None:
+            await self._open_group()
+        names = list(weights)
+        tensors = [weights[n].detach().contiguous().cpu() for n in names]
+        dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
+        shapes = [list(t.shape) for t in tensors]
+
+        def send() -> None:
+            for t in tensors:
+                broadcast_rank0(self._group, t)
+
+        receives = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name,
+                                                      weight_version=str(version)) for c in self.clients.values()]
+        await asyncio.gather(asyncio.to_thread(send), *receives)
+        return list(self.clients)
+
+    async def close(self) -> None:
+        """Leaves the broadcast group on every cell and here (distributed mode)."""
+        if self._group is None:
+            return
+        from services.engine.weights import leave_weight_group
+
+        for cell, client in self.clients.items():
+            try:
+                await client.destroy_weights_update_group(self.group_name)
+            except Exception as exc:  # the cell may be gone already
+                log.warning("leaving the weight group on %s failed: %r", cell, exc)
+        leave_weight_group(self._group)
+        self._group, self._store = None, None
+
+    async def _open_group(self) -> None:
+        from services.engine.weights import join_weight_group
+
+        port = self.master_port or _free_port()
+        world = 1 + len(self.clients)
+        joins = [c.init_weights_update_group(self.master_address, port, 1 + i, world, self.group_name)
+                 for i, c in enumerate(self.clients.values())]
+        opened, *_ = await asyncio.gather(
+            asyncio.to_thread(join_weight_group, self.master_address, port, 0, world, self.group_name, 120.0),
+            *joins)
+        self._group, self._store = opened
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -35,6 +35,11 @@ from .transfer import GradientSink
 log = logging.getLogger(__name__)
 
 
+class WorkerStopped(RuntimeError):
+    """Raised inside a claim when the cell leaves training: the message is not acked, so
+    JetStream delivers it to another cell."""
+
+
 class WeightSource(Protocol):
     """Where a cell gets the core's current weights."""
 
@@ -118,8 +123,10 @@ class MicroStepWorker:
         self.bus, self.blobs, self.gradients, self.weights = bus, blobs, gradients, weights
         self.version = -1
         self.done: list[str] = []
+        self._stop: Any = None
 
     async def run(self, stop: Any) -> None:
+        self._stop = stop
         await self.bus.run_consumer(work_queue_config(self.settings), self.handle, stop=stop)
 
     async def handle(self, delivery: Delivery) -> None:
@@ -130,6 +137,8 @@ class MicroStepWorker:
     async def sync_weights(self, step: int) -> bool:
         """Holds weight version ``step`` once it exists; False if the core is already past it."""
         while True:
+            if self._stop is not None and self._stop.is_set():
+                raise WorkerStopped("stopped while waiting for weights; the claim goes back to the queue")
             current = await self.weights.current_version()
             if current > step:
                 return False

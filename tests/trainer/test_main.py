@@ -13,10 +13,9 @@ from libs.common.events import Context, MicroStepQueued, StepApplied, WeightsPub
 from libs.common.runtime import Runtime
 from libs.common.service import Health, ServiceContext
 from libs.common.settings import GyreSettings
+from services.trainer.backends.torch_hf import TorchBackend
 from services.trainer.main import SPEC
 from services.trajectory.codec import encode_packed
-
-from services.trainer.backends.torch_hf import TorchBackend
 
 from .conftest import TINY
 from .samples import two_branch_tree

@@ -40,3 +40,45 @@ async def test_engine_serves_the_published_weights(engine, mode, tmp_path):
     assert torch.equal(served, trainer.model.model.norm.weight.detach())
     assert str((await client.model_info()).get("weight_version")) == str(version)
     await client.aclose()
+
+
+def test_distributed_publication_over_gloo(engine, tmp_path):
+    """The core (a second process: one gloo rank each) broadcasts; the engine receives."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    import uvicorn
+    from safetensors.torch import save_file
+
+    service, folder = engine
+    trainer = TorchBackend.from_pretrained(folder)
+    with torch.no_grad():
+        trainer.model.model.norm.weight.add_(0.125)
+    state = {k: v.contiguous() for k, v in trainer.hf_state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(tmp_path / "w.safetensors"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(service.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        root = Path(__file__).resolve().parents[2]
+        proc = subprocess.run([sys.executable, "-m", "tests.trainer.dist_publisher", f"http://127.0.0.1:{port}",
+                               "secret", str(tmp_path / "w.safetensors"), "5"], cwd=root, capture_output=True,
+                              text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "published to ['cell-a']" in proc.stdout
+    served = service.engine.call(lambda: service.weights.params["model.norm.weight"].detach().clone()).result(60)
+    assert torch.equal(served, state["model.norm.weight"])
+    assert str(service.engine.weight_version) == "5"

@@ -4,13 +4,12 @@ step, weights published, bad samples rejected with reasons, and a killed core re
 from __future__ import annotations
 
 import asyncio
-import copy
 
 import pytest
 import torch
 
 from libs.common.blobs import MemoryBlobStore
-from libs.common.events import Context, MicroStepDone, MicroStepQueued, StepApplied, WeightsPublished, decode
+from libs.common.events import Context, MicroStepDone, MicroStepQueued, StepApplied, WeightsPublished
 from services.trainer.backends.torch_hf import TorchBackend
 from services.trainer.batch import tree_batch
 from services.trainer.core import CoreSettings, CoreTrainer, CoreWeightSource
@@ -76,23 +75,32 @@ async def _wait_version(core, version, timeout=60):
     await asyncio.wait_for(wait(), timeout)
 
 
-def _cells(bus, blobs, tmp_path, n_satellites=1):
+def _cells(bus, blobs, tmp_path, n_satellites=1, transfer="blob"):
+    """The core with its own worker (gradients in memory) and satellites (blob or port)."""
+    from services.trainer.transfer import InProcessTransfer, RoutedTransfer
     from services.trainer.worker import BusWeightSource, MicroStepWorker, WorkerSettings
 
-    grads = BlobTransfer(blobs)
+    blob, local = BlobTransfer(blobs), InProcessTransfer()
+    routes = {"memory": local, "blob": blob}
+    if transfer == "port":
+        from libs.common.transfer.weights import PortTransfer
+
+        routes["port"] = PortTransfer()
+    remote = routes[transfer]
     core = CoreTrainer(CoreSettings(RUN, train=CONFIG, checkpoint_dir=tmp_path / "ckpt"), TorchBackend.tiny(TINY),
-                       bus=bus, blobs=blobs, gradients=grads)
+                       bus=bus, blobs=blobs, gradients=RoutedTransfer(blob, **routes))
     workers = [MicroStepWorker(WorkerSettings(RUN, "core", CONFIG), TorchBackend.tiny(TINY), bus=bus, blobs=blobs,
-                               gradients=grads, weights=CoreWeightSource(core))]
+                               gradients=local, weights=CoreWeightSource(core))]
     for i in range(n_satellites):
         workers.append(MicroStepWorker(WorkerSettings(RUN, f"sat{i}", CONFIG), TorchBackend.tiny(TINY), bus=bus,
-                                       blobs=blobs, gradients=grads, weights=BusWeightSource(bus, blobs, RUN)))
+                                       blobs=blobs, gradients=remote, weights=BusWeightSource(bus, blobs, RUN)))
     return core, workers
 
 
-async def test_core_and_satellite_train_two_steps(js_bus, tmp_path):
+@pytest.mark.parametrize("transfer", ["blob", "port"])
+async def test_core_and_satellite_train_two_steps(js_bus, tmp_path, transfer):
     blobs = MemoryBlobStore()
-    core, workers = _cells(js_bus, blobs, tmp_path)
+    core, workers = _cells(js_bus, blobs, tmp_path, transfer=transfer)
     stop = asyncio.Event()
     tasks = [asyncio.create_task(core.run(stop))] + [asyncio.create_task(w.run(stop)) for w in workers]
     steps = _steps()
@@ -107,8 +115,9 @@ async def test_core_and_satellite_train_two_steps(js_bus, tmp_path):
         (0, 1, ["s0-m0", "s0-m1"]), (1, 2, ["s1-m0", "s1-m1"])]
     published = await _events(js_bus, Context.TRAINING, WeightsPublished)
     assert [e.weight_version for e in published] == [0, 1, 2]
-    cells = {e.cell for e in await _events(js_bus, Context.TRAINING, MicroStepDone)}
-    assert cells <= {"core", "sat0"} and sum(len(w.done) for w in workers) == 4
+    dones = await _events(js_bus, Context.TRAINING, MicroStepDone)
+    assert {e.cell for e in dones} <= {"core", "sat0"} and sum(len(w.done) for w in workers) == 4
+    assert {e.gradient["transfer"]["kind"] for e in dones if e.cell == "sat0"} <= {transfer}
     from services.trainer.replay import replay_step
 
     for step in (0, 1):  # `gyre replay --step N`: the log + the checkpoint give the recorded loss
@@ -118,24 +127,28 @@ async def test_core_and_satellite_train_two_steps(js_bus, tmp_path):
         assert report["micro_steps"] == [f"s{step}-m0", f"s{step}-m1"]
 
 
-async def test_stale_gradient_is_dropped_and_recomputed(js_bus, tmp_path):
+@pytest.mark.parametrize("order", ["queued_first", "done_first"])
+async def test_stale_gradient_is_dropped_and_recomputed(js_bus, tmp_path, order):
+    """A gradient from another weight version is dropped; the core computes that
+    micro-step itself (also when the stale result arrives before the queue event)."""
     blobs = MemoryBlobStore()
     core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
     await core.start()
     steps = _steps()
     await _queue(js_bus, blobs, 0, steps[0])
-    async for d in js_bus.read(Context.TREES):
-        await core.on_queued(d.event)
+    queued = [d.event async for d in js_bus.read(Context.TREES)]
     grads = BlobTransfer(blobs)
-    stale = compute_micro_step(TorchBackend.tiny(TINY), tree_batch([steps[0][0]]), CONFIG, micro_step="s0-m0")
-    desc = {"transfer": await grads.put({"gradient": stale.gradient}), "executions": list(stale.executions),
-            "stats": stale.stats, "finite": True, "rejected": []}
-    for name, version in (("s0-m0", 7), ("s0-m1", 0)):  # m0 from an old version; m1 fine
-        res = compute_micro_step(core.backend, tree_batch([steps[0][int(name[-1])]]), CONFIG, micro_step=name)
-        d = desc if version == 7 else {**desc, "transfer": await grads.put({"gradient": res.gradient}),
-                                      "executions": list(res.executions)}
-        await core.on_done(MicroStepDone(run_id=RUN, step=0, micro_step=name, cell="sat", weight_version=version,
-                                         n_tokens=1, loss=res.loss_sum, gradient=d))
+    dones = []
+    for k, version in ((0, 7), (1, 0)):  # m0 computed on an old version; m1 fine
+        backend = TorchBackend.tiny(TINY) if version == 7 else core.backend
+        res = compute_micro_step(backend, tree_batch([steps[0][k]]), CONFIG, micro_step=f"s0-m{k}")
+        desc = {"transfer": await grads.put({"gradient": res.gradient}), "executions": list(res.executions),
+                "stats": res.stats, "finite": True, "rejected": []}
+        dones.append(MicroStepDone(run_id=RUN, step=0, micro_step=f"s0-m{k}", cell="sat", weight_version=version,
+                                   n_tokens=1, loss=res.loss_sum, gradient=desc))
+    first, second = (queued, dones) if order == "queued_first" else (dones, queued)
+    for ev in first + second:
+        await (core.on_queued(ev) if isinstance(ev, MicroStepQueued) else core.on_done(ev))
     assert core.state.weight_version == 1
     applied = (await _events(js_bus, Context.TRAINING, StepApplied))[0]
     assert applied.micro_steps_dropped == ["s0-m0"] and sorted(applied.micro_steps_used) == ["s0-m0", "s0-m1"]
@@ -217,3 +230,60 @@ async def test_bad_sample_is_rejected_with_its_reason(js_bus, tmp_path):
     assert done["s0-m1"].gradient["rejected"][0]["reason"] == "behaviour_logprobs[3] = 3.0 is not a log-probability"
     applied = (await _events(js_bus, Context.TRAINING, StepApplied))[0]
     assert applied.loss["rejected_samples"] == 1.0 and applied.loss["executions"] == 1.0
+
+
+async def test_non_finite_micro_step_marks_the_step_and_keeps_the_weights(js_bus, tmp_path):
+    blobs = MemoryBlobStore()
+    core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    await core.start()
+    before = {k: v.clone() for k, v in core.backend.hf_state_dict().items()}
+    await _queue(js_bus, blobs, 0, [(two_branch_tree("ra"), 1.0)], n_micro=1)
+    async for d in js_bus.read(Context.TREES):
+        await core.on_queued(d.event)
+    await core.on_done(MicroStepDone(run_id=RUN, step=0, micro_step="s0-m0", cell="sat", weight_version=0,
+                                     n_tokens=10, loss=0.0, gradient={"finite": False, "executions": ["ra"]}))
+    applied = (await _events(js_bus, Context.TRAINING, StepApplied))[0]
+    assert applied.loss["applied"] == 0.0 and applied.micro_steps_dropped == ["s0-m0"]
+    assert core.state.weight_version == 1 and core.state.step == 1  # step 1 trains on v1 = the same weights
+    after = core.backend.hf_state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+async def test_staleness_bound_rejects_old_samples():
+    from services.trainer.worker import load_samples
+
+    blobs = MemoryBlobStore()
+    digest = await blobs.put(encode_packed(two_branch_tree("ra")))  # generated by v0
+    ev = MicroStepQueued(run_id=RUN, step=3, micro_step="m", group_id="g", sample_digests=[digest],
+                         advantages=[1.0], n_tokens=10)
+    kept, rejected = await load_samples(blobs, ev, TINY.vocab_size, version=3, max_staleness=3)
+    assert len(kept) == 1 and not rejected
+    kept, rejected = await load_samples(blobs, ev, TINY.vocab_size, version=3, max_staleness=2)
+    assert not kept and rejected == [{"digest": digest,
+                                      "reason": "generated by v0, more than 2 versions before v3"}]
+
+
+async def test_satellite_seat_joins_trains_and_leaves(js_bus, tmp_path):
+    """The cell agent's view: join on a switch to training, leave on the way back, even
+    while waiting for weights that are not there yet (the claim goes back to the queue)."""
+    from services.trainer.seat import SatelliteSeat
+    from services.trainer.worker import WorkerSettings
+
+    blobs = MemoryBlobStore()
+    grads = BlobTransfer(blobs)
+    core = CoreTrainer(CoreSettings(RUN, train=CONFIG), TorchBackend.tiny(TINY), bus=js_bus, blobs=blobs,
+                       gradients=grads)
+    seat = SatelliteSeat(WorkerSettings(RUN, "cell-7", CONFIG), lambda: TorchBackend.tiny(TINY), js_bus, blobs,
+                         grads)
+    stop = asyncio.Event()
+    core_task = asyncio.create_task(core.run(stop))
+    await seat.join(0)
+    await _queue(js_bus, blobs, 0, _steps()[0])
+    await _wait_version(core, 1)
+    assert sorted(seat.worker.done) == ["s0-m0", "s0-m1"]
+    await _queue(js_bus, blobs, 5, _steps()[1], n_micro=1)  # v5 never comes
+    await asyncio.sleep(0.3)
+    await asyncio.wait_for(seat.leave(), 10)
+    assert not seat.joined
+    stop.set()
+    await core_task

@@ -90,16 +90,29 @@ def test_megatron_rope_uses_packed_positions(megatron_backend):
     assert torch.allclose(a[4:], b[-3:], atol=1e-5)
 
 
-def test_both_backends_load_one_hf_folder(tmp_path, samples):
-    """The serving path: ``build_backend`` reads an HF folder (RoPE theta 1e6 here)."""
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_both_backends_load_one_hf_folder(tmp_path, samples, family):
+    """The serving path: ``build_backend`` reads an HF folder (Qwen2 with RoPE theta 1e6 and
+    tied embeddings; Llama without q/k/v biases, untied)."""
     pytest.importorskip("megatron.core")
     from services.trainer.backends.torch_hf import TinyModelConfig, TorchBackend
     from services.trainer.main import build_backend
 
-    TorchBackend.tiny(TinyModelConfig(rope_theta=1e6, seed=3)).model.save_pretrained(tmp_path)
+    if family == "qwen2":
+        TorchBackend.tiny(TinyModelConfig(rope_theta=1e6, seed=3)).model.save_pretrained(tmp_path)
+    else:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(4)
+        LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                     rope_theta=5e5)).save_pretrained(tmp_path)
     a = build_backend({"backend": "torch", "model": str(tmp_path)})
     b = build_backend({"backend": "megatron", "model": str(tmp_path)})
     batch = tree_batch(samples)
     with torch.no_grad():
         assert torch.allclose(a.target_logprobs(batch, AttentionConfig()), b.target_logprobs(batch, AttentionConfig()),
                               atol=1e-5)
+    back = b.hf_state_dict()
+    for name, tensor in a.hf_state_dict().items():
+        assert torch.equal(back[name], tensor), name

@@ -78,10 +78,11 @@ def ensure_model_parallel(tp: int = 1) -> None:
     from megatron.core import parallel_state, tensor_parallel
 
     if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, rank=int(os.environ.get("RANK", 0)),
+        # Under torchrun the environment names the group; alone, a private one-rank group
+        # (no environment variables set, so nothing leaks into other code in the process).
+        init = "env://" if "MASTER_ADDR" in os.environ else f"tcp://127.0.0.1:{_free_port()}"
+        dist.init_process_group(backend, init_method=init, rank=int(os.environ.get("RANK", 0)),
                                 world_size=int(os.environ.get("WORLD_SIZE", 1)))
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=1)
@@ -107,7 +108,7 @@ def build_gpt(c: TinyModelConfig, tp: int = 1):
         num_query_groups=c.num_kv_heads, ffn_hidden_size=c.intermediate_size,
         kv_channels=c.hidden_size // c.num_heads, normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        add_qkv_bias=True, bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
+        add_qkv_bias=c.qkv_bias, bias_activation_fusion=False, hidden_dropout=0.0, attention_dropout=0.0,
         tensor_model_parallel_size=tp, use_cpu_initialization=True, params_dtype=torch.float32,
         apply_rope_fusion=False, masked_softmax_fusion=False, bias_dropout_fusion=False,
         gradient_accumulation_fusion=False, persist_layer_norm=False)
@@ -130,7 +131,7 @@ class MegatronBackend:
         self.model = build_gpt(config, tp)
         self.vocab_size = config.vocab_size
         self.shape = Shape(config.num_layers, config.hidden_size, config.num_heads, config.num_kv_heads,
-                           config.tie_word_embeddings)
+                           config.tie_word_embeddings, config.qkv_bias)
 
     def target_logprobs(self, batch: TreeBatch, attention: AttentionConfig) -> torch.Tensor:
         m = self.model

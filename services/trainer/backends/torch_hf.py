@@ -1,9 +1,10 @@
 """Plain PyTorch backend: a transformers causal LM with tree attention.
 
 Tree attention enters through transformers' attention registry: the model runs with
-``attn_implementation="gyre_tree"`` and receives the batch's :class:`TreeAttention` as
-its (already built) mask, so RoPE uses the packed position ids (depths) and every layer
-calls :meth:`TreeAttention.__call__`. Logits are computed only at the positions whose
+``attn_implementation="gyre_tree"`` (no mask is built: the registry has no mask function
+for it) and the batch's :class:`TreeAttention` travels down to every layer as the
+keyword ``gyre_tree`` (transformers passes a forward's extra keywords to the attention
+function); RoPE uses the packed position ids (depths). Logits are computed only at the positions whose
 child is trained (the lm head over a big vocabulary is the costliest part).
 """
 
@@ -23,9 +24,10 @@ ATTENTION_NAME = "gyre_tree"
 
 
 def _tree_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    if not isinstance(attention_mask, TreeAttention):
-        raise TypeError("the gyre_tree attention needs a TreeAttention as its mask")
-    out = attention_mask(query, key, value, scale=scaling)
+    tree = kwargs.get("gyre_tree")
+    if not isinstance(tree, TreeAttention):
+        raise TypeError("the gyre_tree attention needs the batch's TreeAttention (keyword gyre_tree)")
+    out = tree(query, key, value, scale=scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -48,6 +50,7 @@ class TinyModelConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
+    qkv_bias: bool = True  # Qwen2 has biases on q/k/v; Llama has none
     seed: int = 0
 
     def hf_config(self):
@@ -88,7 +91,7 @@ class TorchBackend:
         tree = TreeAttention(batch.layout, attention, device)
         hidden = self.model.model(
             input_ids=batch.input_ids[None].to(device), position_ids=batch.position_ids[None].to(device),
-            attention_mask={"full_attention": tree}, use_cache=False).last_hidden_state[0]
+            gyre_tree=tree, use_cache=False).last_hidden_state[0]
         logits = self.model.lm_head(hidden[batch.source_index.to(device)])
         return gather_logprobs(logits, batch.target_ids.to(device))
 
