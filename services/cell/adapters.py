@@ -65,6 +65,37 @@ class EngineControl:
             return 0
 
 
+class LatestWeights:
+    """The newest weights the core published (``WeightsPublished`` + its safetensors blob),
+    so a cell coming back to inference serves the current version, not the one it left with."""
+
+    def __init__(self, bus: Any, blobs: Any, run_id: str) -> None:
+        self.bus, self.blobs, self.run_id = bus, blobs, run_id
+
+    async def newest(self) -> tuple[int, dict[str, Any]] | None:
+        from libs.common.events import Context, decode
+
+        raw = await self.bus.last_on_subject(Context.TRAINING, f"gyre.{self.run_id}.training.WeightsPublished")
+        if raw is None:
+            return None
+        ev = decode(raw.data)
+        if not ev.checkpoint_digest:
+            return None
+        data = await self.blobs.get(ev.checkpoint_digest)
+        from safetensors.torch import load
+
+        return ev.weight_version, await asyncio.to_thread(load, data)
+
+
+async def push_weights(client: Any, version: int, weights: dict[str, Any]) -> None:
+    """Load ``weights`` into an engine as ``version`` (SGLang's tensor update)."""
+    from services.engine.weights import serialize_named_tensors
+
+    named = [(k, v.contiguous()) for k, v in weights.items()]
+    async with client.weight_update_window(str(version)):
+        await client.update_weights_from_tensor(serialize_named_tensors(named), weight_version=str(version))
+
+
 class TrainingSeat(Protocol):
     """The cell's place in training: a trainer replica (core or satellite)."""
 

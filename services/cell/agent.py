@@ -30,11 +30,12 @@ def command_subject(run_id: str, cell: str) -> str:
 class CellAgent:
     def __init__(self, *, name: str, run_id: str, bus: Any, proxy: ProxyControl, engine: EngineControl,
                  seat: TrainingSeat, engine_url: str, capacity: int = 8, is_core: bool = False,
-                 role: str = "inference") -> None:
+                 role: str = "inference", latest_weights: Any = None) -> None:
         self.name, self.run_id, self.bus = name, run_id, bus
         self.proxy, self.engine, self.seat = proxy, engine, seat
         self.engine_url, self.capacity, self.is_core = engine_url, capacity, is_core
         self.role = role
+        self.latest_weights = latest_weights  # adapters.LatestWeights, or None
         self._lock = asyncio.Lock()
         self.last: SwitchRecord | None = None
         self.last_evacuation: dict[str, Any] | None = None
@@ -108,7 +109,21 @@ class CellAgent:
             await self.seat.leave()
         elif phase == "resuming":
             await self.engine.resume()
+            await self._catch_up_weights()
             await self.proxy.activate(self.name)
+
+    async def _catch_up_weights(self) -> None:
+        """Weights published while this cell trained: load the newest before serving."""
+        if self.latest_weights is None:
+            return
+        newest = await self.latest_weights.newest()
+        if newest is None:
+            return
+        version, weights = newest
+        if version > await self._weight_version_safe():
+            from .adapters import push_weights
+
+            await push_weights(self.engine.client, version, weights)
 
     async def _weight_version_safe(self) -> int:
         try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from libs.common.service import ServiceContext, ServiceSpec
 
-from .adapters import EngineControl, ProxyControl, WeightsSeat
+from .adapters import EngineControl, LatestWeights, ProxyControl, WeightsSeat
 from .agent import CellAgent
 
 
@@ -38,7 +38,8 @@ async def cell_main(ctx: ServiceContext) -> None:
     agent = CellAgent(name=name, run_id=settings.run_id, bus=ctx.runtime.bus, proxy=proxy, engine=engine,
                       seat=WeightsSeat(folder), engine_url=engine_url,
                       capacity=int(os.environ.get("GYRE_CELL_CAPACITY", "8")),
-                      is_core=os.environ.get("GYRE_CELL_CORE") == "1")
+                      is_core=os.environ.get("GYRE_CELL_CORE") == "1",
+                      latest_weights=LatestWeights(ctx.runtime.bus, ctx.runtime.blobs, settings.run_id))
     await agent.register()
     sub = await agent.serve_commands(ctx.runtime.bus.nc)
     ctx.health.ok(cell=name, role=agent.role, core=agent.is_core)

@@ -126,3 +126,19 @@ async def test_a_restarted_proxy_gets_the_cell_back(proxy, engines, model_dir) -
     stop.set()
     await task
     assert "e1" in proxy.service.router.cells
+
+
+async def test_a_cell_back_from_training_serves_the_newest_weights(proxy, engines, model_dir) -> None:
+    from safetensors.torch import load_file, save
+
+    from libs.common.events import WeightsPublished
+    from services.cell.adapters import LatestWeights
+
+    agents = await setup_cells(proxy, engines, model_dir)
+    agents[1].latest_weights = LatestWeights(proxy.bus, proxy.blobs, "ptest")
+    assert (await agents[1].switch("training")).ok
+    weights = load_file(str(model_dir / "model.safetensors"))  # the trainer published v7 meanwhile
+    digest = await proxy.blobs.put(save(weights))
+    await proxy.bus.publish(WeightsPublished(run_id="ptest", weight_version=7, checkpoint_digest=digest))
+    assert (await agents[1].switch("inference")).ok
+    assert await agents[1].engine.weight_version() == 7
