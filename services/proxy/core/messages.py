@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+
+import orjson
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,10 +48,10 @@ class Msg:
     name: str | None = None  # tool name for role "tool", when known
     reasoning: str | None = None  # model's thinking, when the API carries it back
 
-    def canonical(self) -> str:
-        """What the message means, as one stable string (ids and hints left out)."""
+    def canonical(self) -> bytes:
+        """What the message means, as stable bytes (ids and hints left out)."""
         calls = [[c.name, _canon_args(c.arguments)] for c in self.tool_calls]
-        return json.dumps([self.role, self.content.strip(), calls], ensure_ascii=False, separators=(",", ":"))
+        return orjson.dumps([self.role, self.content.strip(), calls], option=orjson.OPT_SORT_KEYS)
 
     def template_dict(self) -> dict[str, Any]:
         """The message as HF chat templates expect it."""
@@ -87,9 +89,7 @@ def _maybe_json(s: str) -> Any:
 
 
 def _canon_args(a: dict[str, Any] | str) -> Any:
-    if isinstance(a, str):
-        a = _maybe_json(a)
-    return json.loads(json.dumps(a, sort_keys=True)) if not isinstance(a, str) else a
+    return _maybe_json(a) if isinstance(a, str) else a  # key order: OPT_SORT_KEYS in canonical()
 
 
 def tools_key(tools: list[ToolSpec]) -> str:
@@ -99,7 +99,7 @@ def tools_key(tools: list[ToolSpec]) -> str:
 
 
 def _step(prev: bytes, msg: Msg) -> bytes:
-    return hashlib.blake2b(prev + msg.canonical().encode(), digest_size=16).digest()
+    return hashlib.blake2b(prev + msg.canonical(), digest_size=16).digest()
 
 
 def chain_hashes(msgs: list[Msg], tools_key: str) -> list[bytes]:
