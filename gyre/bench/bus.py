@@ -20,7 +20,7 @@ from nats.js import api
 
 from libs.common.bus.jetstream import JetStreamBus, headers_for
 from libs.common.bus.port import ConsumerConfig, Delivery
-from libs.common.events import CallRecorded, Context, Event, RolloutStarted
+from libs.common.events import Context, Event, RolloutStarted
 from libs.common.natsserver import EmbeddedNats
 
 N_DEFAULT = 100_000

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import time
 
 import orjson

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import array
 from collections import OrderedDict
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from libs.common.events.calls import DriftClass
