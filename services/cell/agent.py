@@ -36,6 +36,7 @@ class CellAgent:
         self.engine_url, self.capacity, self.is_core = engine_url, capacity, is_core
         self.role = role
         self.latest_weights = latest_weights  # adapters.LatestWeights, or None
+        self.on_role: Any = None  # called with the role after each switch (health display)
         self._lock = asyncio.Lock()
         self.last: SwitchRecord | None = None
         self.last_evacuation: dict[str, Any] | None = None
@@ -89,6 +90,8 @@ class CellAgent:
                     break
                 rec.timings[phase] = time.monotonic() - start
             self.role = rec.role_now
+            if self.on_role is not None:
+                self.on_role(self.role)
             await self._finish(rec, causation_id)
             self.last = rec
             return rec

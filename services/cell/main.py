@@ -43,6 +43,7 @@ async def cell_main(ctx: ServiceContext) -> None:
     await agent.register()
     sub = await agent.serve_commands(ctx.runtime.bus.nc)
     ctx.health.ok(cell=name, role=agent.role, core=agent.is_core)
+    agent.on_role = lambda role: ctx.health.detail.update(role=role)  # gyre up shows it live
     try:
         await agent.keep_registered(ctx.stop)
     finally:

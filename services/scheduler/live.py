@@ -42,6 +42,7 @@ class LiveScheduler:
         self._mine: set[str] = set()  # ids of events this process appended
         self._tasks: set[asyncio.Task] = set()
         self.switch_answers: list[dict[str, Any]] = []
+        self.last_tick: Tick | None = None
 
     def _apply(self, data: bytes) -> None:
         try:
@@ -88,6 +89,7 @@ class LiveScheduler:
                     training_backlog=self.demand.backlog, update_pending=self.demand.update_pending,
                     cell_calls=cell_calls, busy_trainers=self.demand.busy_trainers)
         facts = decide(self.state, tick, self.policy)
+        self.last_tick = tick
         for fact in facts:
             self.state = evolve(self.state, fact)
             event = to_event(fact, self.run_id, state=self.state)

@@ -8,6 +8,7 @@ Environment: ``GYRE_PROXY_URL`` (required: calls in flight per cell come from th
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -54,9 +55,19 @@ async def scheduler_main(ctx: ServiceContext) -> None:
                          proxy_stats=proxy_stats, send_switch=send_switch,
                          tick_s=float(os.environ.get("GYRE_SCHEDULER_TICK_S", "2")))
     ctx.health.ok(policy=live.policy.name)
+
+    async def show() -> None:  # water level and roles for gyre up's live view
+        while not ctx.stop.is_set():
+            await asyncio.sleep(1)
+            roles = live.state.roles_count()
+            ctx.health.detail.update(level=round(live.state.level, 2), pressure=live.state.pressure.value,
+                                     **{f"cells_{k}": v for k, v in roles.items()})
+
+    shower = asyncio.create_task(show())
     try:
         await live.run(ctx.stop)
     finally:
+        shower.cancel()
         await http.aclose()
 
 
