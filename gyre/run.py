@@ -20,6 +20,7 @@ from typing import Any
 from libs.common.blobs import ObjectStoreBlobStore
 from libs.common.bus.jetstream import JetStreamBus
 from libs.common.events import Context, RolloutScored, RolloutScoringFailed, StepApplied
+from gyre.metrics import RunMetrics
 from libs.common.runconfig import RunConfig
 
 
@@ -46,9 +47,11 @@ class Progress:
                 f"weights v{self.weight_version} · {self.status}")
 
 
-async def _scores(bus: JetStreamBus, run_id: str, rollouts: set[str], timeout_s: float) -> dict[str, float]:
+async def _scores(bus: JetStreamBus, run_id: str, rollouts: set[str], timeout_s: float,
+                  partial: dict[str, bool] | None = None) -> dict[str, float]:
     """Wait until every rollout is scored (or failed to score: reward 0); returns rewards."""
     got: dict[str, float] = {}
+    partial = partial if partial is not None else {}
     deadline = time.monotonic() + timeout_s
     start = 1
     while set(got) < rollouts and time.monotonic() < deadline:
@@ -57,18 +60,19 @@ async def _scores(bus: JetStreamBus, run_id: str, rollouts: set[str], timeout_s:
             ev = d.event
             if isinstance(ev, RolloutScored) and ev.rollout_id in rollouts:
                 got[ev.rollout_id] = ev.score
+                partial[ev.rollout_id] = ev.partial
             elif isinstance(ev, RolloutScoringFailed) and ev.rollout_id in rollouts:
                 got[ev.rollout_id] = 0.0
         await asyncio.sleep(0.5)
     return got
 
 
-async def _step_applied(bus: JetStreamBus, run_id: str, step: int, timeout_s: float) -> int | None:
+async def _step_applied(bus: JetStreamBus, run_id: str, step: int, timeout_s: float) -> StepApplied | None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         async for d in bus.read(Context.TRAINING, filter_subject=f"gyre.{run_id}.training.StepApplied"):
             if isinstance(d.event, StepApplied) and d.event.step == step:
-                return d.event.weight_version
+                return d.event
         await asyncio.sleep(0.5)
     return None
 
@@ -101,6 +105,7 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
             raise ValueError(f"no tasks of split {cfg.tasks.split!r} found")
         rng = random.Random(cfg.run.seed)
         progress.steps = cfg.run.steps
+        metrics = RunMetrics(cfg.run_dir / "tensorboard", enabled=cfg.metrics.tensorboard)
         for step in range(cfg.run.steps):
             progress.step, progress.status = step, "rollouts"
             chosen = rng.sample(tasks, min(cfg.tasks.per_step, len(tasks)))
@@ -112,17 +117,23 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
             progress.finished += sum(1 for o in outcomes if o.status == "finished")
             progress.timed_out += sum(1 for o in outcomes if o.status == "timed_out")
             progress.status = "scoring"
-            rewards = await _scores(bus, cfg.run.id, {o.rollout_id for o in outcomes}, score_timeout_s)
+            partial: dict[str, bool] = {}
+            rewards = await _scores(bus, cfg.run.id, {o.rollout_id for o in outcomes}, score_timeout_s, partial)
             progress.scored += len(rewards)
             progress.last_scores = list(rewards.values())
             progress.rewards.append(sum(rewards.values()) / max(len(rewards), 1))
+            applied = None
             if trainer_running:
                 progress.status = "training"
-                version = await _step_applied(bus, cfg.run.id, step, score_timeout_s)
-                if version is None:
+                applied = await _step_applied(bus, cfg.run.id, step, score_timeout_s)
+                if applied is None:
                     progress.errors.append(f"step {step}: no StepApplied within {score_timeout_s:.0f}s")
                 else:
-                    progress.weight_version = version
+                    progress.weight_version = applied.weight_version
+            metrics.step(step, list(rewards.values()), list(partial.values()),
+                         sum(1 for o in outcomes if o.status == "timed_out"), len(outcomes),
+                         applied.loss if applied is not None else None)
+        metrics.close()
         progress.status = "done"
         return progress
     finally:

@@ -136,6 +136,13 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     report = json.loads((runs / "e2e" / "report.json").read_text())
     assert report["rollouts"] == 2 and report["scored"] == 2 and report["calls"] >= 2
     assert (runs / "e2e" / "reward.png").exists() and (runs / "e2e" / "report.html").exists()
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(runs / "e2e" / "tensorboard"))
+    tb.Reload()
+    tags = tb.Tags()["scalars"]
+    assert "reward/mean" in tags and "rollouts/partial_score_share" in tags and "train/loss" in tags
+    assert [e.step for e in tb.Scalars("reward/mean")] == [0]
     (runs / "e2e" / "report.json").unlink()
     res = gyre("report", "e2e", "--runs-dir", str(runs), timeout=120)  # from the stored log alone
     assert res.returncode == 0, res.stderr
