@@ -14,8 +14,6 @@ The scheduler drives these (through its NATS commands in the live system, or HTT
 
 from __future__ import annotations
 
-import asyncio
-import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -71,13 +69,12 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
     @app.post("/admin/cells/{name}/drain")
     async def drain(name: str, request: Request) -> Any:
         async def run(body: dict) -> Any:
-            service.router.drain(name)
-            deadline = time.monotonic() + float(body.get("timeout_s", 30))
-            while service.router.cells[name].in_flight and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            cell = service.router.cells[name]
-            return {"ok": cell.in_flight == 0, "in_flight": cell.in_flight,
-                    "sessions": service.router.sessions_on(name)}
+            from .migration import drain as drain_cell
+
+            if name not in service.router.cells:
+                raise ApiError(404, "not_found", f"unknown cell {name!r}")
+            left = await drain_cell(service.router, name, float(body.get("timeout_s", 30)))
+            return {"ok": left == 0, "in_flight": left, "sessions": service.router.sessions_on(name)}
 
         return await guarded(request, run)
 

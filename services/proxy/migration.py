@@ -67,15 +67,22 @@ def session_tokens(service: Any, session: str) -> list[int] | None:
     return st.tito.full_ids(calls[-1]).tolist()
 
 
+async def drain(router: Any, cell: str, timeout_s: float) -> int:
+    """No new sessions on ``cell``; wait (bounded) for its calls in flight; returns how
+    many are still running."""
+    router.drain(cell)
+    deadline = time.monotonic() + timeout_s
+    while router.cells[cell].in_flight and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return router.cells[cell].in_flight
+
+
 async def evacuate(service: Any, cell: str, *, timeout_s: float = 30.0, migrate: bool = True,
                    mover: KvMover | None = None) -> Evacuation:
     router = service.router
     start = time.monotonic()
-    router.drain(cell)
-    deadline = start + timeout_s
-    while router.cells[cell].in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.02)
-    out = Evacuation(cell, router.cells[cell].in_flight == 0, router.cells[cell].in_flight, 0.0)
+    left = await drain(router, cell, timeout_s)
+    out = Evacuation(cell, left == 0, left, 0.0)
     mover = mover or HttpKvMover()
     for session in router.sessions_on(cell):
         out.moves.append(await _move_one(service, session, cell, migrate, mover))
