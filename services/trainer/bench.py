@@ -9,10 +9,15 @@ weights; the time covers forward, backward and the reduction of the step's gradi
 
 Fields (issue 6): ``tree_tokens``, ``flat_tokens``, ``token_ratio``, ``tree_step_s``,
 ``flat_step_s``, ``speedup`` (flat / tree time), ``max_abs_loss_diff`` (step loss,
-fp32), ``backend``; extras explain the run (``max_abs_grad_diff``, model size, preset).
+fp32), ``backend``; extras explain the run (``max_abs_grad_diff``, model size, preset,
+and ``long_micro_steps`` / ``flat_long_micro_steps``: micro-steps over the attention's
+``dense_max_tokens``, which use block-sparse attention (flex on GPU) instead of one dense
+mask; with the defaults the trees stay dense and the longer flat micro-steps do not).
 
-Options: ``preset`` (``small``: a 2-core machine trains it in well under a minute;
-``default`` is the issue's target scale and needs a GPU), any workload override
+Options: ``preset`` (``small``, the default preset's shape at 1/40 of its token sizes
+with 2 rollouts: the same calls, compactions and fork points, about 7k tree tokens per
+execution, which a 2-core machine trains in about a minute; ``default`` is the issue's
+target scale and needs a GPU), any workload override
 accepted by ``packed_samples``, ``budget`` (branches per execution, 5), ``vocab`` (4096:
 the workload's ids in [0, 65536) are folded into it, the same for both sides),
 ``hidden``, ``layers``, ``attention`` (``auto`` | ``dense`` | ``blocks`` | ``flex``),
@@ -78,6 +83,7 @@ def run_bench(backend: str = "torch", **opts) -> dict:
         "trained_tokens": sum(b.n_targets for b in trees),
         "flat_trained_tokens": sum(b.n_targets for b in flats),
         "long_micro_steps": sum(t.n_tokens > config.attention.dense_max_tokens for t in trees),
+        "flat_long_micro_steps": sum(f.n_tokens > config.attention.dense_max_tokens for f in flats),
         "model": {"vocab": vocab, "hidden": model_cfg.hidden_size, "layers": model_cfg.num_layers,
                   "params": sum(p.numel() for _, p in model.named_parameters())},
         "threads": torch.get_num_threads(),

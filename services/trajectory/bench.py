@@ -9,7 +9,8 @@ repeated by splitting included), ``train_token_ratio``, ``build_s_per_1m_new_tok
 distinct (prefix, token) positions agrees). Extra fields explain the numbers; ``seal_s``
 is the time to classify, sample and pack (not part of building).
 
-Options (all optional): ``preset`` (``default``, ``small``, ``tiny``), any
+Options (all optional): ``preset`` (``default``; ``small``, the default at 1/40 of its
+token sizes with 2 rollouts, which the trainer's benchmark trains; ``tiny``), any
 :class:`~services.trajectory.workload.WorkloadPreset` field (``rollouts``, ``main_turns``,
 ``compact_at``, ``retry_prob``, ...), ``budget`` (branches per rollout, 5),
 ``max_piece_tokens`` (None), ``verify`` (True).

@@ -134,7 +134,7 @@ class RolloutTree:
         )
         labels = classify_calls(self.tree, self.config.rules)
         branches = list_branches(self.tree, labels)
-        selected = select_branches(branches, self.config.sampling)
+        selected = select_branches(branches, self.config.sampling, self.tree)
         packed = pack_branches(self.tree, selected, self.config.packing)
         return SealedTree(self.rollout_id, self.tree.digest(), labels, branches, selected,
                           packed, rejected)

@@ -5,12 +5,28 @@ same agent line extends: the last call of each stretch of an agent's conversatio
 main line before and after each compaction, each summary, each sub-agent's line, each
 abandoned attempt). Its role is that call's role. Such an end is often a tree leaf but
 not always: a fork sub-agent that starts from the main agent's whole history continues
-past the main line's end, and the main line is still a branch of its own. Per rollout at most ``budget`` branches are selected: the main line
-(the branch of the rollout's last main call) first, then by role priority
-(``main`` > ``main_summary`` > ``subagent`` > ``subagent_summary``), delivered before
-undelivered, then a seeded hash of the call id, so the choice is deterministic and the
-same on replay. Branches that end in an undelivered call (a broken stream that was sent
-again) are left out unless ``include_undelivered``.
+past the main line's end, and the main line is still a branch of its own.
+
+Per rollout at most ``budget`` branches are selected, one at a time:
+
+1. the main line (the branch of the rollout's last main call) first;
+2. then the next role by priority (``main`` > ``main_summary`` > ``subagent`` >
+   ``subagent_summary``), delivered before undelivered;
+3. within that role, the branch sharing the **longest prefix with the branches already
+   selected** (tokens, read from the tree), then a seeded hash of the call id.
+
+Rule 3 is what makes a choice within a role cheap and still meaningful. A branch that
+shares a long prefix with the selected ones has its context in the packed tree already:
+training it costs only its own new tokens, and its generated tokens are learned in the
+very context the selected branches are (a summary of a selected context epoch, a fork
+sub-agent that starts from a selected stretch of the main agent's history). Roles are
+never traded for sharing: a sub-agent is not taken before a summary however much it
+shares. The bias it brings is explicit: within a role, forks of selected contexts are
+preferred over branches with a context of their own (e.g. a fresh sub-agent); with
+nothing shared (or without a tree) the seeded hash decides. Everything
+depends only on the tree's tokens and the seed, so the choice is the same on replay and
+whatever the calls' arrival order. Branches that end in an undelivered call (a broken
+stream that was sent again) are left out unless ``include_undelivered``.
 """
 
 from __future__ import annotations
@@ -57,8 +73,12 @@ def list_branches(tree: TrajectoryTree, labels: list[CallLabel]) -> list[Branch]
     return out
 
 
-def select_branches(branches: list[Branch], config: SamplingConfig = SamplingConfig()) -> list[Branch]:
-    """At most ``config.budget`` branches, main line first, then by priority."""
+def select_branches(
+    branches: list[Branch], config: SamplingConfig = SamplingConfig(), tree: TrajectoryTree | None = None
+) -> list[Branch]:
+    """At most ``config.budget`` branches in selection order: the main line first, then
+    by role priority; within a role, the longest prefix shared with the branches already
+    chosen (measured on ``tree``; without it nothing is shared), then the seeded hash."""
     if not config.include_undelivered:
         branches = [b for b in branches if b.delivered]
     if config.budget <= 0 or not branches:
@@ -67,16 +87,29 @@ def select_branches(branches: list[Branch], config: SamplingConfig = SamplingCon
         b for b in branches if b.role == "main"
     ]
     main_line = max(mains, key=lambda b: b.call_index) if mains else None
+    chosen: list[Branch] = []
+    shared = [0] * len(branches)  # each candidate's longest prefix shared with `chosen`
 
-    def rank(b: Branch) -> tuple:
-        return (
-            b is not main_line,
-            ROLE_PRIORITY.index(b.role),
-            not b.delivered,
-            _seeded(config.seed, b.rollout_id, b.call_id),
-        )
+    def take(pick: Branch) -> None:
+        chosen.append(pick)
+        if tree is not None:
+            lens = tree.common_prefix_lens(pick.call_index, [b.call_index for b in branches])
+            for i, n in enumerate(lens):
+                shared[i] = max(shared[i], n)
 
-    return sorted(branches, key=rank)[: config.budget]
+    def tier(i: int) -> tuple[int, bool]:
+        return ROLE_PRIORITY.index(branches[i].role), not branches[i].delivered
+
+    if main_line is not None:
+        take(main_line)
+    pool = [i for i, b in enumerate(branches) if b is not main_line]
+    while pool and len(chosen) < config.budget:
+        best = min(tier(i) for i in pool)
+        pick = min((i for i in pool if tier(i) == best), key=lambda i: (
+            -shared[i], _seeded(config.seed, branches[i].rollout_id, branches[i].call_id)))
+        pool.remove(pick)
+        take(branches[pick])
+    return chosen
 
 
 def _seeded(seed: int, rollout_id: str, call_id: str) -> str:

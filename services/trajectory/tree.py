@@ -297,23 +297,35 @@ class TrajectoryTree:
 
     def common_prefix_len(self, a: int, b: int) -> int:
         """Length of the longest common token prefix of calls a and b (via their paths)."""
-        ea, eb = self._end[a], self._end[b]
-        if ea < 0 or eb < 0:
-            return 0
-        na, nb = self.owner(ea), self.owner(eb)
+        return self.common_prefix_lens(a, [b])[0]
+
+    def common_prefix_lens(self, a: int, others: list[int]) -> list[int]:
+        """:meth:`common_prefix_len` of call a with each of ``others`` (a's path walked once)."""
+        ea = self._end[a]
+        if ea < 0:
+            return [0] * len(others)
+        na = self.owner(ea)
         on_a = set()
         node = na
         while node != -1:
             on_a.add(node)
             node = self._parent[node]
-        node = nb
-        while node not in on_a:
-            node = self._parent[node]
-        if node == ROOT:
-            return 0
-        count_a = ea - self._start[node] + 1 if node == na else self._len[node]
-        count_b = eb - self._start[node] + 1 if node == nb else self._len[node]
-        return self._depth[node] + min(count_a, count_b)
+        out = []
+        for b in others:
+            eb = self._end[b]
+            if eb < 0:
+                out.append(0)
+                continue
+            nb = node = self.owner(eb)
+            while node not in on_a:
+                node = self._parent[node]
+            if node == ROOT:
+                out.append(0)
+                continue
+            count_a = ea - self._start[node] + 1 if node == na else self._len[node]
+            count_b = eb - self._start[node] + 1 if node == nb else self._len[node]
+            out.append(self._depth[node] + min(count_a, count_b))
+        return out
 
     def calls_ending_at(self, ix: int) -> list[int]:
         return self._ending_at.get(ix, [])

@@ -2,13 +2,16 @@
 sub-agents and retry, recorded the way the proxy records them (TITO references).
 
 The default preset (:data:`PRESETS` ``"default"``) is fixed; the tree benchmark and the
-trainer's benchmark both use it, so changing it changes both. Per rollout: 240 main
-turns plus sub-agent work (about 350 calls), the main context growing to 240k tokens
-before it compacts (once or twice per rollout), summaries of a few thousand tokens,
-a sub-agent every 30 turns with its own 12-turn conversation (half of them "fork"
-sub-agents that start from the main agent's whole history), and 4 % of calls retried
-with the same input after a broken stream (the broken attempt is not delivered): the
-shape of a Claude Code agent on a repository-building task. Four rollouts form a group.
+trainer's benchmark both use it (the trainer's at the ``small`` scale: the same preset
+with every token size divided by 40, see :meth:`WorkloadPreset.scaled`), so changing it
+changes both. Per rollout: 240 main turns plus sub-agent work (about 350 calls), the
+main context growing to 240k tokens before it compacts (once per rollout, around turn
+200; fork sub-agents that inherit a long history sometimes compact too), summaries of a
+few thousand tokens, a sub-agent every 30 turns with its own 12-turn conversation (half
+of them "fork" sub-agents that start from the main agent's whole history), and 4 % of
+calls retried with the same input after a broken stream (the broken attempt is not
+delivered): the shape of a Claude Code agent on a repository-building task. Four
+rollouts form a group. ``services/trajectory/README.md`` gives the numbers it produces.
 
 Token ids: 1/2 open/close a message, 3 = tool-result header, 7 starts the compaction
 instruction, 8 starts the post-compaction header, 10-15 are fixed prompt texts; content
@@ -44,16 +47,29 @@ class WorkloadPreset:
     fork_subagent_share: float = 0.5  # fraction of sub-agents that fork the main history
     retry_prob: float = 0.04  # a call whose stream broke and was sent again
     versions_every: int = 60  # calls between weight version bumps
+    fork_directive_tokens: int = 40  # the fork boilerplate + directive after the main history
+    subagent_prompt_tokens: int = 200  # the Agent tool's prompt that opens a fresh sub-agent
+    subagent_result_tokens: int = 60  # header of the tool result that returns a sub-agent's answer
     seed: int = 0
 
+    def scaled(self, k: float, **overrides) -> "WorkloadPreset":
+        """The same shape with every token size divided by ``k`` (turns, probabilities and
+        the call structure unchanged): contexts, compaction and fork points keep their
+        proportions, so the tree's sharing does too."""
+        sizes = {f: max(1, round(getattr(self, f) / k)) for f in _TOKEN_SIZES}
+        return replace(self, **{**sizes, **overrides})
+
+
+_TOKEN_SIZES = ("system_tokens", "task_tokens", "output_tokens", "tool_tokens", "compact_at",
+                "summary_tokens", "subagent_system_tokens", "fork_directive_tokens",
+                "subagent_prompt_tokens", "subagent_result_tokens")
 
 PRESETS: dict[str, WorkloadPreset] = {
     "default": WorkloadPreset(),
-    # A 2-core machine trains this in about a minute with a small model.
-    "small": WorkloadPreset(rollouts=2, main_turns=24, system_tokens=120, task_tokens=40,
-                            output_tokens=24, tool_tokens=40, compact_at=1200,
-                            summary_tokens=60, subagent_every=8, subagent_turns=4,
-                            subagent_system_tokens=60),
+    # The default's shape at 1/40 of its token sizes (same calls per rollout, same
+    # compaction and fork points): a 2-core machine trains it in about a minute with a
+    # small model, so the trainer's benchmark measures the default's sharing.
+    "small": WorkloadPreset().scaled(40, rollouts=2),
     "tiny": WorkloadPreset(rollouts=2, main_turns=8, system_tokens=12, task_tokens=6,
                            output_tokens=5, tool_tokens=6, compact_at=80, summary_tokens=6,
                            subagent_every=4, subagent_turns=2, subagent_system_tokens=8),
@@ -177,16 +193,16 @@ class _Rollout:
         agent_id = "a" + hashlib.sha256(f"{self.rollout_id}:{turn}".encode()).hexdigest()[:16]
         if self.rng.random() < self.p.fork_subagent_share:
             history = array("i", main.history)
-            history.extend(self._content(40, fixed=13))  # the fork directive
+            history.extend(self._content(self.p.fork_directive_tokens, fixed=13))  # the fork directive
             sub = _Line(replace(main.hints, agent_id=agent_id), history, list(main.prefixes[-1:]))
         else:
             hints = CallHints(agent_id=agent_id, system_digest=_digest("system-sub"),
                               tools_digest=_digest("tools-sub"))
             history = array("i", self.sub_system)
-            history.extend(self._content(200, fixed=14))  # the Agent tool's prompt
+            history.extend(self._content(self.p.subagent_prompt_tokens, fixed=14))  # the Agent tool's prompt
             sub = _Line(hints, history, [])
         final = self._work(sub, self.p.subagent_turns)
-        result = self._content(60, fixed=15)
+        result = self._content(self.p.subagent_result_tokens, fixed=15)
         result.extend(final)  # the sub-agent's final text comes back as the tool result
         return result
 

@@ -72,3 +72,16 @@ def test_packed_samples_for_the_trainer_benchmark():
     samples = packed_samples("small")
     assert {p.rollout_id for p in samples} == {"r0", "r1"}
     assert all(p.n_trained_tokens > 0 for p in samples)
+
+
+def test_the_small_preset_is_the_default_scaled_down():
+    """Same calls per rollout, same compaction and fork structure, 1/40 of the tokens."""
+    from services.trajectory.workload import PRESETS
+
+    small, default = PRESETS["small"], PRESETS["default"]
+    assert small == default.scaled(40, rollouts=2)
+    assert (small.main_turns, small.subagent_every, small.subagent_turns) == (
+        default.main_turns, default.subagent_every, default.subagent_turns)
+    assert small.compact_at * 40 == default.compact_at
+    out = run_bench(preset="small", verify=False)
+    assert out["forks"]["compaction"] >= out["rollouts"] and out["forks"]["subagent"] > 0

@@ -81,3 +81,66 @@ def test_choice_within_a_role_is_seeded_and_deterministic():
         assert [x.call_id for x in a] == [x.call_id for x in b]  # not arrival order
         picks.add(a[-1].call_id)  # the 7th pick is one of three sub-agent branches
     assert len(picks) >= 2
+
+
+def _forking_rollout():
+    """A main line, three sub-agents: a fork of its whole history, a fork of its first
+    round, a fresh one; then a fresh one that compacts."""
+    rec = Recorder()
+    main = Agent(rec, SYSTEM + TASK)
+    main.say([20, 2], [3, 90])
+    early = main.fork(CallHints(agent_id="a-early", system_digest="5" * 64, tools_digest="7" * 64), [13, 2])
+    for k in range(4):
+        main.say([21 + k, 2], [3, 91 + k])
+    late = main.fork(CallHints(agent_id="a-late", system_digest="5" * 64, tools_digest="7" * 64), [13, 3])
+    fresh = Agent(rec, SUB_SYSTEM + [1, 14, 2],
+                  CallHints(agent_id="a-fresh", system_digest="u" * 64, tools_digest="v" * 64), system=SUB_SYSTEM)
+    for agent, word in ((early, 50), (late, 51), (fresh, 52)):
+        agent.say([word, word, 2], [3, 96])
+        agent.say([word, 2])
+    main.say([29, 2])
+    return rec
+
+
+def test_within_a_role_the_branch_sharing_most_with_the_chosen_comes_first():
+    rec = _forking_rollout()
+    tree, labels, branches = _branches(rec)
+    by_agent = {}
+    for b in branches:
+        by_agent[rec.calls[b.call_index].hints.agent_id] = b.call_id
+    for seed in range(8):
+        chosen = select_branches(branches, SamplingConfig(budget=4, seed=seed), tree)
+        assert [b.role for b in chosen] == ["main", "subagent", "subagent", "subagent"]
+        # the late fork shares the main line's whole history, the early one its first round
+        assert [b.call_id for b in chosen[1:]] == [by_agent["a-late"], by_agent["a-early"], by_agent["a-fresh"]]
+        again = select_branches(list(reversed(branches)), SamplingConfig(budget=4, seed=seed), tree)
+        assert [b.call_id for b in again] == [b.call_id for b in chosen]
+
+
+def test_sharing_never_outranks_a_role():
+    """Every main and main_summary branch comes before any sub-agent, whatever they
+    share; among the summaries the one sharing the longest prefix with the chosen goes first."""
+    rec = _busy_rollout()
+    tree, labels, branches = _branches(rec)
+    for seed in range(6):
+        chosen = select_branches(branches, SamplingConfig(budget=7, seed=seed), tree)
+        ranks = [ROLE_PRIORITY.index(b.role) for b in chosen]
+        assert ranks == sorted(ranks)
+        assert [b.role for b in chosen[:5]] == ["main", "main", "main", "main_summary", "main_summary"]
+        epochs = [b.call_index for b in chosen[:3]]
+        shared = [max(tree.common_prefix_lens(s.call_index, epochs)) for s in chosen[3:5]]
+        assert shared[0] > shared[1]
+
+
+def test_common_prefix_lens_agree_with_the_sequences():
+    rec = _forking_rollout()
+    tree = build(rec.calls)
+    seqs = [list(tree.sequence(c)) for c in range(len(rec.calls))]
+    for a in range(len(seqs)):
+        expected = []
+        for b in range(len(seqs)):
+            n = 0
+            while n < min(len(seqs[a]), len(seqs[b])) and seqs[a][n] == seqs[b][n]:
+                n += 1
+            expected.append(n)
+        assert tree.common_prefix_lens(a, list(range(len(seqs)))) == expected
