@@ -281,6 +281,61 @@ def bench(
             typer.echo(f"{k:24s} {v}")
 
 
+@app.command("export")
+def export_(
+    source: Annotated[str, typer.Argument(help="run id, run folder, checkpoints folder or step-*.pt file")],
+    out: Annotated[Path, typer.Argument(help="the Hugging Face folder to write")],
+    step: Annotated[Optional[int], typer.Option(help="the weights after this many steps (default: the latest)")] = None,
+    model: Annotated[Optional[str], typer.Option(help="base model (config + tokenizer): tiny-qwen | smollm2 | an "
+                                                      "HF folder; default: the run's model.name")] = None,
+    dtype: Annotated[Optional[str], typer.Option(help="cast weights: float32 | bfloat16 | float16")] = None,
+    runs_dir: Annotated[Path, typer.Option(help="where run folders are")] = Path("runs"),
+    force: Annotated[bool, typer.Option("--force", help="replace OUT if it exists")] = False,
+) -> None:
+    """Export a trained policy checkpoint as a Hugging Face folder (model.safetensors,
+    config.json, tokenizer) that transformers, SGLang and `gyre serve engine` load."""
+    from services.trainer.export import ExportError, export_hf, find_checkpoint, run_base_model
+
+    try:
+        checkpoint = find_checkpoint(source, runs_dir=runs_dir, step=step)
+        if model is None:  # the checkpoint lies in <run_dir>/trainer/checkpoints
+            run_dir = checkpoint.resolve().parent.parent.parent
+            model = run_base_model(run_dir, run_dir.name)
+            if model is None:
+                raise ExportError(f"cannot tell the base model of {checkpoint} (no RunStarted in "
+                                  f"{run_dir / 'nats'}); pass --model")
+        done = export_hf(checkpoint, out, base_model=model, dtype=dtype, overwrite=force)
+    except ExportError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"exported {done.checkpoint} (step {done.step}, weights v{done.weight_version}, "
+               f"base {done.base_model}, {done.tensors} tensors) to {done.folder}")
+
+
+tasks_app = typer.Typer(no_args_is_help=True, help="Task sets: folders like tasks/, or JSONL / Parquet files.")
+app.add_typer(tasks_app, name="tasks")
+
+
+@tasks_app.command("validate")
+def tasks_validate(
+    path: Annotated[Path, typer.Argument(help="a .jsonl or .parquet task set, or a folder of task folders")],
+    as_json: Annotated[bool, typer.Option("--json", help="print the result as one JSON object")] = False,
+) -> None:
+    """Check a task set; each problem names its line (row) and field. Exit 1 on problems."""
+    from gyre.tasks_cmd import validate_task_set
+
+    result = validate_task_set(path)
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        for problem in result["problems"]:
+            typer.echo(f"{path}: {problem}", err=True)
+        splits = ", ".join(f"{k} {v}" for k, v in sorted(result["splits"].items())) or "none"
+        verdict = "ok" if not result["problems"] else f"{len(result['problems'])} problem(s)"
+        typer.echo(f"{verdict}: {result['tasks']} valid task(s) ({splits}) in {path}")
+    raise typer.Exit(1 if result["problems"] else 0)
+
+
 def _contexts(names: Optional[list[str]]):
     from libs.common.events import Context
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from libs.common.events import (
     CallRecorded, Context, Event, ForkDetected, RolloutFinished, RolloutScored, RolloutStarted, RolloutTimedOut,
-    SamplesSelected, StepApplied, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
+    HeldoutEvaluated, SamplesSelected, StepApplied, WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
 )
 
 
@@ -38,6 +38,9 @@ class RunFacts:
     calls: int = 0
     undelivered: int = 0
     drift: Counter = field(default_factory=Counter)
+    eval_rollouts: set[str] = field(default_factory=set)  # purpose "eval": not part of any step's reward
+    evals: dict[str, dict[str, Any]] = field(default_factory=dict)  # phase -> HeldoutEvaluated fields
+    warm_start: dict[str, Any] | None = None
     steps_applied: list[dict[str, Any]] = field(default_factory=list)
     t0: float | None = None
 
@@ -45,7 +48,17 @@ class RunFacts:
         t = ev.time.timestamp()
         self.t0 = t if self.t0 is None else min(self.t0, t)
         if isinstance(ev, RolloutStarted):
-            self.step_of[ev.rollout_id] = ev.step
+            if ev.purpose == "eval":
+                self.eval_rollouts.add(ev.rollout_id)
+            else:
+                self.step_of[ev.rollout_id] = ev.step
+        elif isinstance(ev, HeldoutEvaluated):
+            self.evals[ev.phase] = {"success": ev.success, "mean_score": ev.mean_score, "tasks": ev.tasks,
+                                    "weight_version": ev.weight_version}
+        elif isinstance(ev, WarmStartCompleted):
+            self.warm_start = {"tasks": len(ev.tasks), "demos": ev.demos, "steps": ev.steps,
+                               "loss_first": ev.loss_first, "loss_last": ev.loss_last, "seconds": ev.seconds,
+                               "reused": ev.reused}
         elif isinstance(ev, (RolloutFinished, RolloutTimedOut)):
             self.ended[ev.rollout_id] = "finished" if isinstance(ev, RolloutFinished) else "timed_out"
             self.exit_status[ev.rollout_id] = ev.exit_status
@@ -157,7 +170,8 @@ def figures(facts: RunFacts) -> dict[str, Any]:
         "calls": facts.calls, "undelivered_calls": facts.undelivered, "drift": dict(facts.drift),
         "role_switches": facts.switches, "switch_failures": facts.switch_failures, "forks": dict(facts.forks),
         "stored_tokens": sum(facts.stored_tokens.values()), "selected_tokens": sum(facts.selected_tokens.values()),
-        "steps_applied": facts.steps_applied,
+        "steps_applied": facts.steps_applied, "warm_start": facts.warm_start,
+        "heldout": facts.evals, "eval_rollouts": len(facts.eval_rollouts),
     }
 
 

@@ -11,6 +11,7 @@ view shows.
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import random
 import time
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from typing import Any
 
 from libs.common.blobs import ObjectStoreBlobStore
 from libs.common.bus.jetstream import JetStreamBus
-from libs.common.events import Context, RolloutScored, RolloutScoringFailed, StepApplied
+from libs.common.events import Context, HeldoutEvaluated, RolloutScored, RolloutScoringFailed, StepApplied
 from gyre.metrics import RunMetrics
 from libs.common.runconfig import RunConfig
 
@@ -39,6 +40,7 @@ class Progress:
     started: float = field(default_factory=time.monotonic)
     last_tasks: list[str] = field(default_factory=list)
     last_scores: list[float] = field(default_factory=list)
+    evals: dict[str, dict[str, Any]] = field(default_factory=dict)  # "before"/"after" -> held-out result
 
     def row(self) -> str:
         last = f"{self.rewards[-1]:.3f}" if self.rewards else "-"
@@ -77,11 +79,49 @@ async def _step_applied(bus: JetStreamBus, run_id: str, step: int, timeout_s: fl
     return None
 
 
+def select_tasks(cfg: RunConfig, split: str | None) -> list[Any]:
+    """The run's tasks of a split (``None``: all), narrowed by ``tasks.include`` globs."""
+    from services.runner.tasks import load_tasks
+
+    tasks = load_tasks(Path(cfg.tasks.dir) if cfg.tasks.dir else None, split=split)
+    if cfg.tasks.include:
+        tasks = [t for t in tasks if any(fnmatch.fnmatchcase(t.task_id, pat) for pat in cfg.tasks.include)]
+    return tasks
+
+
+def eval_result(outcomes: list[Any], rewards: dict[str, float], weight_version: int) -> dict[str, Any]:
+    """Greedy success on a split: ``success`` is the share of tasks whose hidden tests all
+    pass; ``mean_score`` the mean share of hidden tests passed."""
+    scores = [rewards.get(o.rollout_id, 0.0) for o in outcomes]
+    n = max(len(scores), 1)
+    return {"tasks": len(scores), "scored": sum(1 for o in outcomes if o.rollout_id in rewards),
+            "success": round(sum(1 for x in scores if x >= 1.0) / n, 4), "mean_score": round(sum(scores) / n, 4),
+            "weight_version": weight_version,
+            "per_task": {o.task_id: round(rewards.get(o.rollout_id, 0.0), 4) for o in outcomes}}
+
+
+async def _evaluate(phase: str, step: int, runner: Any, bus: JetStreamBus, cfg: RunConfig, tasks: list[Any],
+                    harness: Any, progress: Progress, score_timeout_s: float) -> dict[str, Any]:
+    """One greedy rollout per held-out task, marked ``purpose="eval"`` (never trained on)."""
+    progress.status = f"eval {phase}: {len(tasks)} held-out tasks"
+    progress.running += len(tasks)
+    outcomes = await runner.run_step(step, tasks, 1, weight_version=progress.weight_version, harness=harness,
+                                     purpose="eval", group_prefix=f"eval-{phase}-")
+    progress.running -= len(outcomes)
+    rewards = await _scores(bus, cfg.run.id, {o.rollout_id for o in outcomes}, score_timeout_s)
+    result = eval_result(outcomes, rewards, progress.weight_version)
+    progress.evals[phase] = result
+    split = "heldout" if phase in ("before", "after") else cfg.tasks.split
+    await bus.publish(HeldoutEvaluated(run_id=cfg.run.id, phase=phase, split=split, weight_version=progress.weight_version,
+                                       tasks=result["tasks"], success=result["success"],
+                                       mean_score=result["mean_score"], per_task=result["per_task"]))
+    return result
+
+
 async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Progress, *,
-                    trainer_running: bool, score_timeout_s: float = 900.0) -> Progress:
+                    trainer_running: bool, score_timeout_s: float = 900.0, eval_only: bool = False) -> Progress:
     from services.runner.harness import PRESETS, gyre_agent
     from services.runner.main import create_runner, runner_config
-    from services.runner.tasks import load_tasks
 
     bus = await JetStreamBus.connect(nats_url, name="gyre-run")
     try:
@@ -95,17 +135,30 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
         }), bus=bus, blobs=blobs)
         if cfg.harness.name not in PRESETS:
             raise ValueError(f"unknown harness {cfg.harness.name!r}")
-        harness = PRESETS[cfg.harness.name]
+        harness = greedy = PRESETS[cfg.harness.name]
         if cfg.harness.name == "gyre_agent":  # the run config's API and sampling reach the reference harness
             harness = gyre_agent(cfg.harness.api, "--temperature", str(cfg.sampling.temperature),
                                  "--max-tokens", str(cfg.sampling.max_tokens))
+            greedy = gyre_agent(cfg.harness.api, "--temperature", "0", "--max-tokens", str(cfg.sampling.max_tokens))
         split = None if cfg.tasks.split == "all" else cfg.tasks.split
-        tasks = load_tasks(Path(cfg.tasks.dir) if cfg.tasks.dir else None, split=split)
+        tasks = select_tasks(cfg, split)
         if not tasks:
-            raise ValueError(f"no tasks of split {cfg.tasks.split!r} found")
+            raise ValueError(f"no tasks of split {cfg.tasks.split!r} found"
+                             + (f" matching {cfg.tasks.include}" if cfg.tasks.include else ""))
+        heldout = select_tasks(cfg, "heldout") if cfg.eval.heldout else []
+        if cfg.eval.heldout and not heldout:
+            raise ValueError("eval.heldout is set but the task set has no held-out tasks")
         rng = random.Random(cfg.run.seed)
         progress.steps = cfg.run.steps
-        metrics = RunMetrics(cfg.run_dir / "tensorboard", enabled=cfg.metrics.tensorboard)
+        if eval_only:  # gyre eval: every task of the split once, greedy, never trained on
+            progress.steps = 1
+            await _evaluate("eval", 0, runner, bus, cfg, tasks, greedy, progress, score_timeout_s)
+            progress.last_tasks = list(progress.evals["eval"]["per_task"])
+            progress.status = "done"
+            return progress
+        metrics = RunMetrics.for_run(cfg)
+        if heldout:
+            await _evaluate("before", 0, runner, bus, cfg, heldout, greedy, progress, score_timeout_s)
         for step in range(cfg.run.steps):
             progress.step, progress.status = step, "rollouts"
             chosen = rng.sample(tasks, min(cfg.tasks.per_step, len(tasks)))
@@ -133,6 +186,8 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
             metrics.step(step, list(rewards.values()), list(partial.values()),
                          sum(1 for o in outcomes if o.status == "timed_out"), len(outcomes),
                          applied.loss if applied is not None else None)
+        if heldout:
+            await _evaluate("after", cfg.run.steps, runner, bus, cfg, heldout, greedy, progress, score_timeout_s)
         metrics.close()
         progress.status = "done"
         return progress
@@ -146,7 +201,10 @@ def summary(progress: Progress, *, role_switches: int, agent_errors: int) -> dic
         "steps": len(r),
         "reward_first3": round(sum(r[:3]) / max(len(r[:3]), 1), 4),
         "reward_last3": round(sum(r[-3:]) / max(len(r[-3:]), 1), 4),
-        "heldout_success_before": None, "heldout_success_after": None,  # gyre eval: not built yet
+        "heldout_success_before": progress.evals.get("before", {}).get("success"),
+        "heldout_success_after": progress.evals.get("after", {}).get("success"),
+        "heldout_score_before": progress.evals.get("before", {}).get("mean_score"),
+        "heldout_score_after": progress.evals.get("after", {}).get("mean_score"),
         "role_switches": role_switches, "agent_errors": agent_errors, "replay_identical": None,
         "wall_s": round(time.monotonic() - progress.started, 1), "errors": progress.errors,
     }
@@ -154,8 +212,7 @@ def summary(progress: Progress, *, role_switches: int, agent_errors: int) -> dic
 
 def eval_summary(progress: Progress, split: str) -> dict[str, Any]:
     """Greedy success on a split: one rollout per task, temperature 0 (``gyre eval``)."""
-    scores = progress.last_scores
-    return {"split": split, "tasks": len(progress.last_tasks), "scored": len(scores),
-            "mean_score": round(sum(scores) / max(len(scores), 1), 4),
-            "pass_rate": round(sum(1 for s in scores if s >= 1.0) / max(len(scores), 1), 4),
-            "errors": progress.errors}
+    result = progress.evals.get("eval", {})
+    return {"split": split, "tasks": result.get("tasks", 0), "scored": result.get("scored", 0),
+            "mean_score": result.get("mean_score", 0.0), "pass_rate": result.get("success", 0.0),
+            "per_task": result.get("per_task", {}), "errors": progress.errors}

@@ -22,14 +22,32 @@ async def projector_main(ctx: ServiceContext) -> None:
     applied = Gauge("gyre_projection_applied_total", "events applied by this projector", ["projection"],
                     registry=ctx.registry)
     dead = Gauge("gyre_projection_dead_lettered_total", "events dead-lettered", ["projection"], registry=ctx.registry)
+    lag = Gauge("gyre_projection_lag", "events stored but not yet projected", ["projection", "stream"],
+                registry=ctx.registry)
     ctx.health.ok(projection=readmodels.name, database=ctx.runtime.engine.url.render_as_string(hide_password=True))
     task = asyncio.create_task(runner.run(ctx.stop))
+    ticks = 0
     while not task.done():
         applied.labels(readmodels.name).set(runner.applied)
         dead.labels(readmodels.name).set(runner.dead_lettered)
         ctx.health.detail.update(applied=runner.applied, dead_lettered=runner.dead_lettered)
+        if ticks % 4 == 0:  # every 2 s: the stream heads against the committed offsets
+            await _projection_lag(ctx, lag)
+        ticks += 1
         await asyncio.wait({task}, timeout=0.5)
     task.result()
+
+
+async def _projection_lag(ctx: ServiceContext, gauge) -> None:
+    from libs.common.db.projection import offsets
+
+    try:
+        done = await asyncio.to_thread(offsets, ctx.runtime.engine, readmodels.name)
+        for context in readmodels.contexts():
+            head = await ctx.runtime.bus.last_seq(context)
+            gauge.labels(readmodels.name, context.stream).set(max(head - done.get(context.stream, 0), 0))
+    except Exception:  # a restarting server or database: the next tick tries again
+        pass
 
 
 async def proxy_main(ctx: ServiceContext) -> None:

@@ -30,7 +30,7 @@ from rich.table import Table
 from gyre.services import SERVICES
 from libs.common.bus.jetstream import JetStreamBus
 from libs.common.db.engine import upgrade
-from libs.common.events import RunStarted
+from libs.common.events import RunStarted, WarmStartCompleted
 from libs.common.natsserver import EmbeddedNats, free_port
 from libs.common.runconfig import RunConfig
 from libs.common.settings import GyreSettings
@@ -72,6 +72,7 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
     tasks_dir = str((cfg.tasks.dir or Path(__file__).resolve().parent.parent / "tasks").resolve())
     common = {"GYRE_ADMIN_TOKEN": admin_token, "GYRE_MODEL": cfg.model.name,
               "GYRE_POLICY_MODEL": cfg.model.policy_name, "GYRE_EVALUATOR_TASKS_DIR": tasks_dir,
+              "GYRE_EVALUATOR_SCORERS": json.dumps(cfg.evaluator.scorers),
               "GYRE_SCHEDULER_POLICY": cfg.cells.policy, "GYRE_SCHEDULER_HOLD_S": str(cfg.cells.hold_s),
               "GYRE_SCHEDULER_MIN_DWELL_S": str(cfg.cells.min_dwell_s),
               "GYRE_SCHEDULER_SMOOTHING_S": str(cfg.cells.smoothing_s),
@@ -198,6 +199,8 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
     try:
         upgrade(settings.sqlalchemy_url)
         asyncio.run(_record_run_started(settings, cfg))
+        if cfg.warmstart.enabled and eval_split is None and not check:
+            cfg = warm_start_phase(settings, cfg, console)
         env = {**os.environ, "GYRE_NATS_URL": settings.nats_url or "", "GYRE_RUN_ID": settings.run_id,
                "GYRE_RUN_DIR": str(settings.run_dir), "GYRE_DATABASE_URL": settings.sqlalchemy_url}
         plan = plan_stack(cfg, _admin_token(settings))
@@ -222,6 +225,59 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
             nats.stop()
 
 
+def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -> RunConfig:
+    """Phase 0, before RL: supervised fine-tuning on the scripted solver's demonstrations of
+    the *train* tasks (never the held-out ones). Writes ``<run>/warmstart/model`` (kept and
+    reused when its inputs are unchanged), records ``WarmStartCompleted`` and returns the
+    config with the model pointed at the warm-started folder."""
+    from gyre.run import select_tasks
+    from gyre.warmstart import warm_start
+    from services.engine.model_store import resolve_model
+
+    tasks = [t for t in select_tasks(cfg, "train") if t.split == "train"]
+    if not tasks:
+        raise ValueError("warmstart.enabled needs train-split tasks with a reference solution")
+    out = settings.run_dir / "warmstart" / "model"
+    ws = cfg.warmstart
+    inputs = {"base": cfg.model.name, "tasks": [t.task_id for t in tasks], "steps": ws.steps, "lr": ws.lr,
+              "seed": ws.seed}
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+    marker = out.parent / "warmstart.json"
+    console.rule("[bold]phase 0: warm start[/] (SFT on scripted demonstrations of the train tasks)")
+    stats: dict[str, Any] = {}
+    reused = False
+    if marker.exists() and (out / "config.json").exists():
+        try:
+            old = json.loads(marker.read_text())
+            reused = old.get("inputs_digest") == digest
+            stats = old.get("stats", {}) if reused else {}
+        except ValueError:
+            reused = False
+    if not reused:
+        base = resolve_model(cfg.model.name).folder
+        started = time.monotonic()
+        stats = warm_start(base, out, tasks, steps=ws.steps, lr=ws.lr, seed=ws.seed,
+                           log=lambda msg: console.print(f"  warm start: {msg}", markup=False, highlight=False))
+        stats.setdefault("seconds", round(time.monotonic() - started, 1))
+        marker.write_text(json.dumps({"inputs": inputs, "inputs_digest": digest, "stats": stats}, indent=2))
+    console.print(f"  warm start {'reused' if reused else 'done'}: {len(tasks)} train tasks, "
+                  f"{stats.get('demos', '?')} demonstrations, {stats.get('steps', '?')} steps, "
+                  f"loss {stats.get('loss_first', '?')} -> {stats.get('loss_last', '?')}, model {out}")
+    asyncio.run(_publish(settings, WarmStartCompleted(
+        run_id=settings.run_id, base_model=cfg.model.name, model_dir=str(out), tasks=[t.task_id for t in tasks],
+        demos=int(stats.get("demos", 0)), steps=int(stats.get("steps", 0)), loss_first=stats.get("loss_first"),
+        loss_last=stats.get("loss_last"), seconds=float(stats.get("seconds", 0.0)), reused=reused)))
+    return cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": str(out.resolve())})})
+
+
+async def _publish(settings: GyreSettings, event: Any) -> None:
+    bus = await JetStreamBus.connect(settings.nats_url or "", name="gyre-up")
+    try:
+        await bus.publish(event)
+    finally:
+        await bus.close()
+
+
 def proxy_url(plan: list[Launch]) -> str:
     return next(f"http://127.0.0.1:{launch.port}" for launch in plan if launch.service == "proxy")
 
@@ -244,7 +300,8 @@ class MainJob:
         def target() -> None:
             try:
                 asyncio.run(run_steps(self.cfg, self.nats_url, self.proxy, self.progress,
-                                      trainer_running=self.cfg.cells.count > 0 and self.eval_split is None))
+                                      trainer_running=self.cfg.cells.count > 0 and self.eval_split is None,
+                                      eval_only=self.eval_split is not None))
             except BaseException as exc:  # shown by finish(); the stack is stopped either way
                 self.error = exc
                 self.progress.status = f"failed: {exc!r}"

@@ -8,8 +8,10 @@ JetStream object store (chunked, replicated with the cluster); ``FileBlobStore``
 
 from __future__ import annotations
 
+
 import array
 import hashlib
+import io
 import os
 import sys
 import tempfile
@@ -183,11 +185,12 @@ class ObjectStoreBlobStore:
         small = await self._small(digest)
         if small is not None:
             return _check(digest, small)
+        buf = io.BytesIO()  # nats-py appends chunks to one bytes object (quadratic) unless given a file
         try:
-            res = await self.obs.get(digest)
+            await self.obs.get(digest, writeinto=buf)
         except (ObjectNotFoundError, NotFoundError):
             raise BlobNotFound(digest) from None
-        return _check(digest, res.data or b"")
+        return _check(digest, buf.getvalue())
 
     async def has(self, digest: str) -> bool:
         from nats.js.errors import ObjectNotFoundError, NotFoundError

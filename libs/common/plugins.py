@@ -5,7 +5,7 @@ rules as Python packages, through packaging entry points, without forking Gyre.
 |---|---|---|
 | ``gyre.harnesses`` | a ``services.runner.harness.HarnessConfig`` (or a function returning one) | the runner (``harness.name`` in the run config) |
 | ``gyre.fork_rules`` | a ``services.trajectory.forks.HarnessRules`` (or a function returning one) | the trajectory service, by the rollout's harness name |
-| ``gyre.scorers`` | ``score(workspace: Path, task: dict) -> float`` in [0, 1] | the evaluator, as an extra score component |
+| ``gyre.scorers`` | ``score(workspace: Path, task: dict) -> float`` in [0, 1] | the evaluator, as a weighted score component (``evaluator.scorers: {name: weight}`` in the run config) |
 
 Declare them in the plugin's ``pyproject.toml``::
 

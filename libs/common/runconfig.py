@@ -42,6 +42,7 @@ class TasksSection(_Section):
     dir: Path | None = None  # default: the task set shipped in tasks/
     split: Literal["train", "heldout", "all"] = "train"
     per_step: int = Field(default=2, ge=1)
+    include: list[str] | None = None  # task-id glob patterns (e.g. ["starter_*"]); None: every task
 
 
 class HarnessSection(_Section):
@@ -86,6 +87,7 @@ class EvaluatorSection(_Section):
     workers: int = Field(default=2, ge=1)
     judge_url: str | None = None
     judge_model: str | None = None
+    scorers: dict[str, float] = {}  # gyre.scorers plugin -> weight in the score, e.g. {has_readme: 0.25}
 
 
 class StorageSection(_Section):
@@ -99,6 +101,24 @@ class BusSection(_Section):
 class MetricsSection(_Section):
     tensorboard: bool = True
     wandb_project: str | None = None  # set to log to Weights & Biases (offline works)
+    wandb_mode: Literal["offline", "online", "disabled"] = "offline"  # offline: files under runs/<run>/wandb
+
+
+class WarmStartSection(_Section):
+    """Supervised fine-tuning on a scripted solver's demonstrations of the *train* tasks,
+    as a separate phase before RL (``gyre/warmstart.py``); never sees held-out tasks."""
+
+    enabled: bool = False
+    steps: int = Field(default=300, ge=1)
+    lr: float = Field(default=1e-3, gt=0)
+    seed: int = 0
+
+
+class EvalSection(_Section):
+    """Greedy success on the held-out tasks, measured inside the run before the first RL
+    step and after the last (same harness, proxy and evaluator; never trained on)."""
+
+    heldout: bool = False
 
 
 class RunConfig(_Section):
@@ -115,6 +135,8 @@ class RunConfig(_Section):
     storage: StorageSection = StorageSection()
     bus: BusSection = BusSection()
     metrics: MetricsSection = MetricsSection()
+    warmstart: WarmStartSection = WarmStartSection()
+    eval: EvalSection = EvalSection()
 
     def digest(self) -> str:
         return hashlib.sha256(json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()

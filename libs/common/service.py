@@ -20,6 +20,7 @@ import uvicorn
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from .bus_metrics import ConsumerLagMetrics
 from .runtime import Runtime, open_runtime
 from .settings import GyreSettings
 
@@ -92,11 +93,15 @@ async def serve(spec: ServiceSpec, settings: GyreSettings, *, port: int, options
     try:
         async with open_runtime(settings, name=spec.name, database=spec.database, migrate=spec.database) as rt:
             ctx = ServiceContext(rt, health, stop, registry, options or {}, app)
+            lag = asyncio.create_task(ConsumerLagMetrics(registry).run(rt.bus, stop))
             main = asyncio.create_task(spec.main(ctx))
             waiter = asyncio.create_task(stop.wait())
             done, _ = await asyncio.wait({main, waiter}, return_when=asyncio.FIRST_COMPLETED)
             health.status = "stopping"
             stop.set()
+            lag.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await lag
             if main in done:
                 main.result()  # a crashed service exits non-zero
             else:

@@ -27,6 +27,9 @@ def command_subject(run_id: str, cell: str) -> str:
     return f"gyre.{run_id}.cmd.cells.{cell}"
 
 
+CATCH_UP_TIMEOUT_S = 300.0  # loading the newest weights on the way back to inference
+
+
 class CellAgent:
     def __init__(self, *, name: str, run_id: str, bus: Any, proxy: ProxyControl, engine: EngineControl,
                  seat: TrainingSeat, engine_url: str, capacity: int = 8, is_core: bool = False,
@@ -81,14 +84,17 @@ class CellAgent:
                 await self.bus.publish(SwitchPhaseEntered(run_id=self.run_id, cell=self.name, phase=phase,
                                                           causation_id=causation_id))
                 start = time.monotonic()
+                log.info("cell %s: %s -> %s: %s", self.name, rec.from_role, to_role, phase)
                 try:
                     await self._run_phase(phase)
                 except Exception as exc:
                     rec.timings[phase] = time.monotonic() - start
                     rec.failed_phase, rec.reason = phase, repr(exc)
+                    log.error("cell %s: %s failed after %.2fs: %r", self.name, phase, rec.timings[phase], exc)
                     await self._roll_back(rec)
                     break
                 rec.timings[phase] = time.monotonic() - start
+                log.info("cell %s: %s done in %.2fs", self.name, phase, rec.timings[phase])
             self.role = rec.role_now
             if self.on_role is not None:
                 self.on_role(self.role)
@@ -112,7 +118,8 @@ class CellAgent:
             await self.seat.leave()
         elif phase == "resuming":
             await self.engine.resume()
-            await self._catch_up_weights()
+            log.info("cell %s: engine memory resumed", self.name)
+            await asyncio.wait_for(self._catch_up_weights(), CATCH_UP_TIMEOUT_S)
             await self.proxy.activate(self.name)
 
     async def _catch_up_weights(self) -> None:
@@ -126,6 +133,7 @@ class CellAgent:
         if version > await self._weight_version_safe():
             from .adapters import push_weights
 
+            log.info("cell %s: loading weights v%d published while it trained", self.name, version)
             await push_weights(self.engine.client, version, weights)
 
     async def _weight_version_safe(self) -> int:

@@ -16,6 +16,7 @@ from libs.common.bus.port import BlobStore, EventBus
 
 from .adapters.catalog import DirectoryTaskCatalog, TaskCatalog
 from .adapters.judge_client import JudgeClient, JudgeConfig
+from .adapters.plugin_scorers import load_scorers
 from .adapters.sandbox import Sandbox, SandboxConfig
 from .service import Evaluator
 from .settings import EvaluatorSettings, JudgeSettings
@@ -34,7 +35,8 @@ def build_evaluator(
 ) -> Evaluator:
     sandbox = Sandbox(SandboxConfig(isolation=settings.isolation, uid_base=settings.uid_base, slots=settings.workers))
     judge = JudgeClient(judge_config(settings.judge), http) if settings.judge else None
-    return Evaluator(settings, bus, store, catalog or DirectoryTaskCatalog(settings.tasks_dir), sandbox, judge)
+    return Evaluator(settings, bus, store, catalog or DirectoryTaskCatalog(settings.tasks_dir), sandbox, judge,
+                     scorers=load_scorers(settings.scorers))
 
 
 def judge_config(s: JudgeSettings) -> JudgeConfig:
@@ -63,7 +65,8 @@ async def evaluator_main(ctx: ServiceContext, *, catalog: TaskCatalog | None = N
         while not task.done():
             if evaluator.sandbox.mode is not None:
                 ctx.health.ok(isolation=evaluator.sandbox.description, workers=settings.workers,
-                              judge=bool(evaluator.judge), **evaluator.counts)
+                              judge=bool(evaluator.judge), scorers=",".join(evaluator.scorers) or "-",
+                              **evaluator.counts)
             for name, n in evaluator.counts.items():
                 outcomes.labels(name).set(n)
             await asyncio.wait({task}, timeout=0.5)

@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from libs.common.bus.port import BlobStore, ConsumerConfig, Delivery, EventBus, StopSignal
@@ -32,11 +33,20 @@ from libs.common.events import (
 from .adapters import workspace
 from .adapters.catalog import TaskCatalog, TaskSpecError
 from .adapters.judge_client import JudgeClient, JudgeFailed
+from .adapters.plugin_scorers import Scorer
 from .adapters.sandbox import Sandbox
 from .adapters.snapshot import UnpackLimits, UnsafeSnapshot, unpack_snapshot
 from .core.judge import build_messages
 from .core.results import TestReport, parse_junit, parse_outcome_lines
-from .core.scoring import RolloutEnded, TestsVerdict, combine, failed_event, score_tests, scored_event
+from .core.scoring import (
+    RolloutEnded,
+    TestsVerdict,
+    combine,
+    failed_event,
+    score_tests,
+    scored_event,
+    with_plugin_scores,
+)
 from .core.spec import TaskEvaluatorSpec
 from .settings import EvaluatorSettings
 
@@ -60,6 +70,7 @@ class Evaluator:
     catalog: TaskCatalog
     sandbox: Sandbox
     judge: JudgeClient | None = None
+    scorers: dict[str, Scorer] = field(default_factory=dict)  # gyre.scorers plugins, weighted by settings.scorers
 
     def __post_init__(self) -> None:
         self._tasks: OrderedDict[str, str] = OrderedDict()  # rollout id -> task id, from RolloutStarted
@@ -159,6 +170,8 @@ class Evaluator:
         result = combine(policy, verdict, judge_score, judge_error)
         if isinstance(result, str):
             return failed_event(ended, result)
+        if self.scorers:
+            result = with_plugin_scores(result, await self._plugin_scores(ended, spec, workdir))
         log.info("evaluator: rollout %s: %s [%s]", ended.rollout_id, result.reason, isolation)
         return scored_event(ended, result, verdict.outcomes if verdict else (), isolation)
 
@@ -189,6 +202,22 @@ class Evaluator:
             return parse_junit(text)
         except ValueError as exc:
             return TestReport(notes=(str(exc)[:300],))
+
+    async def _plugin_scores(self, ended: RolloutEnded, spec: TaskEvaluatorSpec,
+                             workdir: Path) -> dict[str, tuple[float, float]]:
+        task = {"task_id": spec.task_id, "prompt": spec.prompt, "rubric": spec.rubric,
+                "rollout_id": ended.rollout_id, "timed_out": isinstance(ended, RolloutTimedOut)}
+        got: dict[str, tuple[float, float]] = {}
+        for name, fn in self.scorers.items():
+            try:
+                value = await asyncio.to_thread(fn, workdir, dict(task))
+                value = float(value)
+            except Exception as exc:
+                raise _Unscorable(f"scorer plugin {name} failed: {exc!r}") from exc
+            if not math.isfinite(value) or not 0.0 <= value <= 1.0:
+                raise _Unscorable(f"scorer plugin {name} returned {value!r}, not a score in [0, 1]")
+            got[name] = (value, self.settings.scorers.get(name, 0.0))
+        return got
 
     async def _ask_judge(
         self, spec: TaskEvaluatorSpec, view: str, verdict: TestsVerdict | None

@@ -11,7 +11,9 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field, SecretStr
+import math
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -45,3 +47,14 @@ class EvaluatorSettings(BaseSettings):
     max_result_bytes: int = Field(default=8 * 2**20, ge=1024, description="cap on result files read back")
     keep_workdirs: bool = False
     judge: JudgeSettings | None = None
+    scorers: dict[str, float] = Field(
+        default_factory=dict,
+        description="gyre.scorers plugins -> weight, e.g. GYRE_EVALUATOR_SCORERS='{\"has_readme\": 0.25}'")
+
+    @field_validator("scorers")
+    @classmethod
+    def _weights(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = {k: w for k, w in v.items() if not math.isfinite(w) or w < 0}
+        if bad:
+            raise ValueError(f"scorer weights must be finite and >= 0, got {bad}")
+        return v

@@ -21,6 +21,7 @@ from libs.common.service import ServiceContext
 
 from .app import create_app
 from .core.routing import Router
+from .queue_metrics import RouterCollector
 from .service import ProxyConfig, ProxyService
 
 
@@ -59,6 +60,7 @@ async def proxy_main(ctx: ServiceContext) -> None:
     for name, url in parse_cells(os.environ.get("GYRE_PROXY_CELLS", "")).items():
         service.add_cell(name, url)
     ctx.app.mount("/", create_app(service, admin_token=settings.admin_token, registry=ctx.registry))
+    ctx.registry.register(RouterCollector(service.router))  # in-flight calls per cell, at scrape time
     follower = asyncio.create_task(service.book.follow_rollouts(ctx.stop))
     ctx.health.ok(cells=len(service.router.cells), model=str(renderer.folder))
     await ctx.stop.wait()

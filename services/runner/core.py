@@ -46,6 +46,7 @@ class RolloutPlan:
     api_key_digest: str
     time_limit_s: float
     group_size: int | None = None
+    purpose: str = "train"  # "eval": scored, never trained on
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,8 @@ def started_event(plan: RolloutPlan) -> RolloutStarted:
     return RolloutStarted(event_id=f"{plan.rollout_id}-started", run_id=plan.run_id, rollout_id=plan.rollout_id,
                           task_id=plan.task_id, group_id=plan.group_id, harness=plan.harness,
                           weight_version=plan.weight_version, api_key_digest=plan.api_key_digest,
-                          step=plan.step, time_limit_s=plan.time_limit_s, group_size=plan.group_size)
+                          step=plan.step, time_limit_s=plan.time_limit_s, group_size=plan.group_size,
+                          purpose=plan.purpose)
 
 
 def ended_event(state: RolloutState) -> RolloutFinished | RolloutTimedOut:

@@ -78,22 +78,27 @@ class RolloutRunner:
         self.running: dict[str, core.RolloutState] = {}
 
     async def run_step(self, step: int, tasks: list[Task], group_size: int, *, weight_version: int = 0,
-                       harness: HarnessConfig | None = None) -> list[RolloutOutcome]:
-        """Run every task ``group_size`` times; returns when all rollouts have ended."""
-        jobs = [self.run_rollout(step, task, i, group_size, weight_version=weight_version, harness=harness)
+                       harness: HarnessConfig | None = None, purpose: str = "train",
+                       group_prefix: str = "") -> list[RolloutOutcome]:
+        """Run every task ``group_size`` times; returns when all rollouts have ended.
+        ``purpose="eval"`` rollouts are scored but never trained on; ``group_prefix`` keeps
+        their groups and rollout ids apart from the training step's."""
+        jobs = [self.run_rollout(step, task, i, group_size, weight_version=weight_version, harness=harness,
+                                 purpose=purpose, group_prefix=group_prefix)
                 for task in tasks for i in range(group_size)]
         return list(await asyncio.gather(*jobs))
 
     async def run_rollout(self, step: int, task: Task, index: int, group_size: int | None, *,
-                          weight_version: int = 0, harness: HarnessConfig | None = None) -> RolloutOutcome:
+                          weight_version: int = 0, harness: HarnessConfig | None = None, purpose: str = "train",
+                          group_prefix: str = "") -> RolloutOutcome:
         harness = harness or self.config.harness
-        rollout_id = new_rollout_id(step, task.task_id, index)
+        rollout_id = group_prefix + new_rollout_id(step, task.task_id, index)
         api_key = "gyre-" + secrets.token_urlsafe(24)
         plan = core.RolloutPlan(
             run_id=self.config.run_id, rollout_id=rollout_id, task_id=task.task_id,
-            group_id=group_id_for(step, task.task_id), step=step, harness=harness.name,
+            group_id=group_prefix + group_id_for(step, task.task_id), step=step, harness=harness.name,
             weight_version=weight_version, api_key_digest=hashlib.sha256(api_key.encode()).hexdigest(),
-            time_limit_s=task.time_limit_s * self.config.time_limit_scale, group_size=group_size)
+            time_limit_s=task.time_limit_s * self.config.time_limit_scale, group_size=group_size, purpose=purpose)
         async with self._slots:
             dirs = await asyncio.to_thread(workspace.prepare, self.config.work_root, rollout_id, task.files_dir,
                                            task.prompt)

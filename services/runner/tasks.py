@@ -2,18 +2,21 @@
 
 One folder per task::
 
-    tasks/<task_id>/task.yaml        # prompt, time_limit_s, split (train | heldout), level, max_turns
+    tasks/<task_id>/task.yaml        # prompt, time_limit_s, split (train | heldout), level, max_turns, metadata
     tasks/<task_id>/files/...        # the starting files copied into each rollout's workspace
     tasks/<task_id>/evaluator.yaml   # read by services/evaluator/adapters/catalog.py
     tasks/<task_id>/hidden/...       # the hidden tests (never copied into a workspace)
+
+or one file, JSON Lines or Parquet, one task a record (the format: ``libs/common/tasksets.py``),
+read through the same layout written once to a cache folder.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 
@@ -34,6 +37,7 @@ class Task:
     files_dir: Path | None = None  # starting files; None: an empty workspace
     level: int = 1  # 1: one function ... 3: a small multi-file package
     max_turns: int | None = None  # a hint for the harness's turn budget
+    metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)  # free-form, from task.yaml
 
 
 def default_tasks_dir() -> Path:
@@ -54,13 +58,22 @@ def load_task(folder: Path) -> Task:
     if split not in ("train", "heldout"):
         raise TaskError(f"task {task_id}: split must be train or heldout, not {split!r}")
     files = folder / "files"
+    metadata = doc.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise TaskError(f"task {task_id}: metadata must be a mapping")
     return Task(task_id=task_id, prompt=doc["prompt"].strip() + "\n", time_limit_s=float(doc.get("time_limit_s", 300)),
                 split=split, files_dir=files if files.is_dir() else None, level=int(doc.get("level", 1)),
-                max_turns=int(doc["max_turns"]) if doc.get("max_turns") else None)
+                max_turns=int(doc["max_turns"]) if doc.get("max_turns") else None, metadata=metadata)
 
 
 def load_tasks(root: Path | None = None, *, split: Split | None = None) -> list[Task]:
-    """Every task under ``root`` (default: the shipped ``tasks/``), sorted by id."""
+    """Every task under ``root`` (default: the shipped ``tasks/``), sorted by id. ``root``
+    may be a ``.jsonl``/``.parquet`` task set (``libs.common.tasksets.TaskSetError`` names
+    each bad line and field)."""
+    from libs.common.tasksets import is_task_set, materialize
+
     root = root or default_tasks_dir()
+    if is_task_set(root):
+        root = materialize(root)
     tasks = [load_task(p) for p in sorted(root.iterdir()) if (p / "task.yaml").is_file()]
     return [t for t in tasks if split is None or t.split == split]

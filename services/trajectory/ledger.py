@@ -81,6 +81,7 @@ class RolloutState:
     group_id: str | None = None
     step: int = 0
     harness: str = ""
+    purpose: str = "train"  # "eval" rollouts are sealed and shown, never queued for training
     phase: RolloutPhase = RolloutPhase.RECORDING
     score: float | None = None
     scoring_failed: str | None = None
@@ -120,6 +121,7 @@ class TrajectoryLedger:
     def rollout_started(self, ev: RolloutStarted) -> Effects:
         state = self._rollout(ev.rollout_id)
         state.group_id, state.step, state.harness = ev.group_id, ev.step, ev.harness
+        state.purpose = ev.purpose
         if state.tree is not None:  # calls came first: classify with the harness's rules
             state.tree.config = self.config.tree_config(ev.harness)
         members = self.groups.setdefault(ev.group_id, [])
@@ -218,6 +220,8 @@ class TrajectoryLedger:
         states = [self.rollouts[r] for r in members]
         if group_id in self.queued_groups or len(states) < expected:
             return Effects()
+        if any(s.purpose == "eval" for s in states):
+            return Effects()  # evaluation only: scored, never trained on
         if any(s.phase is not RolloutPhase.SEALED for s in states):
             return Effects()
         self.queued_groups.add(group_id)

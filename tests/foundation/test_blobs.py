@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import os
 from collections.abc import AsyncIterator
 
@@ -42,6 +44,14 @@ async def test_large_blob_round_trips_in_chunks(store) -> None:
     data = os.urandom(3 * 1024 * 1024 + 17)  # large: several object-store chunks
     d = await store.put(data)
     assert await store.get(d) == data
+
+
+async def test_checkpoint_sized_blob_round_trips(store) -> None:
+    # a tiny-qwen checkpoint is ~80 MB: nats-py's own get appends chunk by chunk (quadratic;
+    # it took minutes at that size), so the store reads chunks into a buffer instead
+    data = os.urandom(48 * 1024 * 1024)
+    d = await store.put(data)
+    assert await asyncio.wait_for(store.get(d), 120) == data
 
 
 async def test_missing_blob_is_a_clear_error(store) -> None:

@@ -90,6 +90,7 @@ class JetStreamBus:
         self.replicas = replicas
         self.max_age_s = max_age_s
         self.max_pending = max_pending
+        self.consumers: set[tuple[str, str]] = set()  # (stream, durable) run here; for libs/common/bus_metrics.py
 
     @classmethod
     async def connect(cls, url: str, *, name: str = "gyre", creds: str | None = None, **kw: Any) -> "JetStreamBus":
@@ -181,6 +182,7 @@ class JetStreamBus:
         sub = await self.js.pull_subscribe_bind(
             durable=await self._ensure_consumer(config), stream=config.context.stream
         )
+        self.consumers.add((config.context.stream, config.name))
         try:
             while not stop.is_set():
                 try:

@@ -11,7 +11,7 @@ from .cells import (CellRegistered, SwitchCompleted, SwitchFailed, SwitchPhaseEn
 from .envelope import Context, Event, new_event_id, subject_token
 from .registry import EventDecodeError, decode, decode_dict, event_types, types_in, upcaster
 from .rollouts import RolloutFinished, RolloutStarted, RolloutTimedOut
-from .runs import RunFinished, RunStarted
+from .runs import HeldoutEvaluated, RunFinished, RunStarted, WarmStartCompleted
 from .scores import RolloutScored, RolloutScoringFailed, TestOutcome
 from .training import MicroStepClaimed, MicroStepDone, StepApplied, WeightsPublished
 from .trees import ForkDetected, MicroStepQueued, SamplesSelected, TreeSealed
@@ -20,7 +20,7 @@ __all__ = [
     "CallRecorded", "CellRegistered", "Context", "DriftClass", "Event", "EventDecodeError",
     "ForkDetected", "MicroStepClaimed", "MicroStepDone", "MicroStepQueued", "RequestRouted",
     "RolloutFinished", "RolloutScored", "RolloutScoringFailed", "RolloutStarted",
-    "RolloutTimedOut", "RunFinished", "RunStarted", "SamplesSelected", "SessionOpened",
+    "RolloutTimedOut", "HeldoutEvaluated", "RunFinished", "RunStarted", "WarmStartCompleted", "SamplesSelected", "SessionOpened",
     "SessionRerouted", "StepApplied", "SwitchCompleted", "SwitchFailed", "SwitchPhaseEntered", "SwitchRequested",
     "TestOutcome", "TreeSealed", "WaterLevelSampled", "WeightsPublished", "decode",
     "decode_dict", "event_types", "new_event_id", "subject_token", "types_in", "upcaster",

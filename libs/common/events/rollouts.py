@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from .envelope import Context, Digest, Event
@@ -21,6 +23,9 @@ class RolloutStarted(Event):
     step: int = Field(default=0, ge=0)
     time_limit_s: float | None = Field(default=None, gt=0)
     group_size: int | None = Field(default=None, ge=1)  # rollouts in the group, when known up front
+    # "train": its samples are learnt from; "eval": scored only (greedy held-out success),
+    # never queued for training
+    purpose: Literal["train", "eval"] = "train"
 
 
 class _RolloutEnded(Event):

@@ -5,6 +5,10 @@
     <root>/<task_id>/evaluator.yaml   # the spec's fields, except task_id and hidden_files
     <root>/<task_id>/hidden/...       # the hidden test files, any depth
 
+``root`` may also be a task-set file (``.jsonl``/``.parquet``, ``libs/common/tasksets.py``):
+it is read through its materialised folder. ``record_problems`` is the evaluator's check
+of one task-set record (``gyre tasks validate``).
+
 ``InMemoryTaskCatalog`` holds specs built in code (tests, tools).
 """
 
@@ -16,6 +20,8 @@ from typing import Protocol
 
 import yaml
 from pydantic import ValidationError
+
+from libs.common.tasksets import Problem, TaskRecord, is_task_set, materialize
 
 from ..core.spec import TaskEvaluatorSpec
 
@@ -44,7 +50,7 @@ class InMemoryTaskCatalog:
 
 class DirectoryTaskCatalog:
     def __init__(self, root: Path, *, max_hidden_bytes: int = 64 * 2**20) -> None:
-        self.root = root
+        self.root = materialize(root, check=record_problems) if is_task_set(root) else root
         self.max_hidden_bytes = max_hidden_bytes
         self._cache: dict[str, TaskEvaluatorSpec] = {}
 
@@ -87,3 +93,27 @@ class DirectoryTaskCatalog:
                 raise TaskSpecError(f"hidden files of {hidden.parent.name} exceed {self.max_hidden_bytes} bytes")
             files[path.relative_to(hidden).as_posix()] = data
         return files
+
+
+def record_problems(rec: TaskRecord) -> list[Problem]:
+    """What the evaluator would refuse in a task-set record's spec: the fields of its
+    ``evaluator`` mapping with its hidden tests, and weights naming tests that do not exist."""
+    hidden = {k: v.encode() for k, v in rec.hidden_tests.items()}
+    if rec.hidden_dir is not None:
+        hidden.update({p.relative_to(rec.hidden_dir).as_posix(): b"" for p in rec.hidden_dir.rglob("*") if p.is_file()})
+    fields = {k: v for k, v in rec.evaluator.items() if k not in ("task_id", "hidden_files")}
+    fields.setdefault("prompt", rec.prompt)
+    try:
+        TaskEvaluatorSpec(task_id=rec.task_id, hidden_files=hidden, **fields)
+    except ValidationError as exc:
+        return [Problem(rec.where, ".".join(["evaluator", *(str(x) for x in err["loc"])]), err["msg"])
+                for err in exc.errors()]
+    except TypeError as exc:
+        return [Problem(rec.where, "evaluator", str(exc))]
+    weights = fields.get("weights") or {}
+    for name in weights if isinstance(weights, dict) else ():
+        test_file = str(name).split("::", 1)[0]
+        if test_file not in hidden and not fields.get("command"):
+            return [Problem(rec.where, "evaluator.weights", f"{name!r} names {test_file}, not one of the hidden tests "
+                                                            f"({', '.join(sorted(hidden)) or 'none'})")]
+    return []

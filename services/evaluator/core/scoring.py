@@ -118,6 +118,19 @@ def combine(
     return Combined(_clamp(score), components, "; ".join([*reasons, f"judge {judge:.3f}"]))
 
 
+def with_plugin_scores(result: Combined, plugins: dict[str, tuple[float, float]]) -> Combined:
+    """``result`` with scorer-plugin components: ``plugins`` maps name -> (score, weight);
+    the score becomes (base + sum weight * plugin score) / (1 + sum weight), so weight 0
+    records a component without moving the reward. Components are named ``plugin:<name>``."""
+    if not plugins:
+        return result
+    total = 1.0 + sum(w for _, w in plugins.values())
+    score = (result.score + sum(s * w for s, w in plugins.values())) / total
+    components = {**result.components, **{f"plugin:{n}": s for n, (s, _) in plugins.items()}}
+    extra = ", ".join(f"{n} {s:.3f} (weight {w:g})" for n, (s, w) in plugins.items())
+    return Combined(_clamp(score), components, f"{result.reason}; plugins: {extra}" if result.reason else extra)
+
+
 def _clamp(x: float) -> float:
     if math.isnan(x):
         return 0.0

@@ -2,7 +2,8 @@
 
 - ``harness``: a one-call harness (``echo.py``): the task text in, one chat completion;
 - ``fork_rules``: its trajectories read like a generic tool-calling agent's;
-- ``has_readme``: a scorer giving 1.0 when the agent left a README in its workspace.
+- ``has_readme``: a scorer giving 1.0 when the agent left a README in its workspace; a run
+  uses it with ``evaluator: {scorers: {has_readme: 0.25}}`` (the weight in the score).
 """
 
 from __future__ import annotations

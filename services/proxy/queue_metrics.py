@@ -1,0 +1,35 @@
+"""Prometheus figures of the proxy's routing, read from the router at scrape time: calls
+in flight per inference cell (the proxy's queue towards each cell), each cell's capacity
+and state, and the sessions pinned to it."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from .core.routing import Router
+
+
+class RouterCollector(Collector):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        cells = list(self.router.cells.values())
+        pinned: dict[str, int] = {}
+        for cell in list(self.router.sessions.values()):
+            pinned[cell] = pinned.get(cell, 0) + 1
+        in_flight = GaugeMetricFamily("gyre_proxy_in_flight", "calls in flight at each inference cell", labels=["cell"])
+        capacity = GaugeMetricFamily("gyre_proxy_cell_capacity", "concurrent calls a cell takes", labels=["cell"])
+        state = GaugeMetricFamily("gyre_proxy_cell_state", "1 for the cell's current state", labels=["cell", "state"])
+        sessions = GaugeMetricFamily("gyre_proxy_sessions", "sessions pinned to each cell", labels=["cell"])
+        for c in cells:
+            in_flight.add_metric([c.name], c.in_flight)
+            capacity.add_metric([c.name], c.capacity)
+            state.add_metric([c.name, c.state.value], 1)
+            sessions.add_metric([c.name], pinned.get(c.name, 0))
+        total = GaugeMetricFamily("gyre_proxy_queue_depth", "calls in flight over all cells")
+        total.add_metric([], sum(c.in_flight for c in cells))
+        yield from (in_flight, capacity, state, sessions, total)
