@@ -7,7 +7,7 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -260,8 +260,12 @@ def bench(
     n: Annotated[int, typer.Option(help="size (benchmark-specific; 0 = its default)")] = 0,
     backend: Annotated[str, typer.Option(help="train: torch | megatron")] = "torch",
     list_: Annotated[bool, typer.Option("--list", help="list the benchmarks")] = False,
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="tree: a workload parameter, key=value "
+                                                      "(repeatable), e.g. --set main_turns=300 --set seed=2")] = None,
 ) -> None:
     """Run a benchmark; with --json its result is one JSON object on the last line."""
+    import yaml
+
     from gyre.bench import BENCHMARKS
 
     if list_ or not name:
@@ -272,8 +276,22 @@ def bench(
         typer.echo(f"error: unknown benchmark {name!r}; known: {', '.join(BENCHMARKS)}", err=True)
         raise typer.Exit(2)
     fn, _ = BENCHMARKS[name]
-    extra = {"backend": backend} if name == "train" else {}
-    result = fn(n=n or None, progress=not as_json, **extra)
+    extra: dict[str, Any] = {"backend": backend} if name == "train" else {}
+    if set_:
+        if name != "tree":
+            typer.echo("error: --set is for the tree benchmark's workload parameters", err=True)
+            raise typer.Exit(2)
+        for item in set_:
+            key, eq, value = item.partition("=")
+            if not eq or not key:
+                typer.echo(f"error: --set {item!r}: expected key=value", err=True)
+                raise typer.Exit(2)
+            extra[key.strip()] = yaml.safe_load(value)
+    try:
+        result = fn(n=n or None, progress=not as_json, **extra)
+    except ValueError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
     if as_json:
         typer.echo(json.dumps(result))
     else:

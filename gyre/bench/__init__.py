@@ -16,10 +16,19 @@ def _bus(**kw: Any) -> dict[str, Any]:
     return run_bus_bench(**kw)
 
 
-def _tree(n: int | None = None, progress: bool = True) -> dict[str, Any]:
-    from services.trajectory.bench import run_bench
+def _tree(n: int | None = None, progress: bool = True, **params: Any) -> dict[str, Any]:
+    """``params``: ``preset`` (default | small), ``budget``, ``verify`` and any field of
+    ``services.trajectory.workload.WorkloadPreset`` (``main_turns``, ``compact_at``, ``seed``...)."""
+    from dataclasses import fields
 
-    return run_bench(**({"preset": "small"} if n == 1 else {}))
+    from services.trajectory.bench import run_bench
+    from services.trajectory.workload import WorkloadPreset
+
+    known = {f.name for f in fields(WorkloadPreset)} | {"preset", "budget", "verify", "max_piece_tokens"}
+    unknown = sorted(set(params) - known)
+    if unknown:
+        raise ValueError(f"unknown tree benchmark parameter(s) {unknown}; known: {sorted(known)}")
+    return run_bench(**({"preset": "small"} if n == 1 else {}), **params)
 
 
 def _proxy(n: int | None = None, progress: bool = True) -> dict[str, Any]:
