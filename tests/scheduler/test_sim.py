@@ -130,3 +130,26 @@ def test_session_memory_model_keeps_sessions_within_capacity() -> None:
         assert len(result.step_end_h) == 4
         assert result.migrated_calls > 0 or pool.evictions > 0
     assert simulate(config, "elastic").digest == simulate(config, "elastic").digest
+
+
+def test_conventional_trainer_waits_for_the_whole_batch() -> None:
+    """Without streaming, no micro-step of a step is claimable before its batch is complete."""
+    from services.scheduler.sim.training import MicroStep, StepQueue
+
+    queue = StepQueue(batch=4, steps=2, streaming=False)
+    for i in range(3):
+        queue.add(MicroStep(i, 1.0))
+    assert not queue.claimable and not queue.batch_ready
+    queue.add(MicroStep(3, 1.0))
+    assert len(queue.claimable) == 4 and queue.batch_ready
+    queue.add(MicroStep(4, 1.0))  # finished early: waits for the next step's batch
+    streaming = StepQueue(batch=4, steps=2)
+    streaming.add(MicroStep(0, 1.0))
+    assert len(streaming.claimable) == 1
+
+
+def test_only_the_baselines_lose_streaming() -> None:
+    """``baseline_streaming`` changes async and colocate, never elastic (Gyre's trainer streams)."""
+    on = replace(TINY, baseline_streaming=True)
+    assert simulate(on, "elastic").digest == simulate(TINY, "elastic").digest
+    assert simulate(on, "async", training_cells=2).hours != simulate(TINY, "async", training_cells=2).hours

@@ -67,7 +67,10 @@ class ClusterSim:
             if config.sessions_per_cell
             else InferencePool(config.slots_per_cell)
         )
-        self.steps = StepQueue(config.batch_rollouts, config.steps)
+        # Gyre's elastic trainer streams micro-steps; the baselines' trainer waits for the
+        # step's whole batch unless ``baseline_streaming`` (docs/sim/calibration.md)
+        streaming = policy.name == "elastic" or config.baseline_streaming
+        self.steps = StepQueue(config.batch_rollouts, config.steps, streaming=streaming)
         self.state = SchedulerState()
         self.facts: list[Fact] = []
         self.samples: list[Sample] = []

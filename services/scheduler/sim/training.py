@@ -20,9 +20,10 @@ class MicroStep:
 
 
 class StepQueue:
-    def __init__(self, batch: int, steps: int) -> None:
+    def __init__(self, batch: int, steps: int, *, streaming: bool = True) -> None:
         self.batch = batch
         self.steps = steps
+        self.streaming = streaming
         self.version = 0  # steps applied so far = the current weight version
         self.finished: deque[MicroStep] = deque()  # waiting for a later step
         self.claimable: deque[MicroStep] = deque()
@@ -41,6 +42,8 @@ class StepQueue:
         self._fill()
 
     def _fill(self) -> None:
+        if not self.streaming and self.assigned == 0 and len(self.finished) < self.batch:
+            return  # a conventional trainer waits for the whole batch
         while self.assigned < self.batch and self.finished and not self.complete:
             self.claimable.append(self.finished.popleft())
             self.assigned += 1
