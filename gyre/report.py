@@ -17,7 +17,7 @@ from typing import Any
 
 from libs.common.events import (
     CallRecorded, Context, Event, ForkDetected, RolloutFinished, RolloutScored, RolloutStarted, RolloutTimedOut,
-    HeldoutEvaluated, SamplesSelected, StepApplied, WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
+    HeldoutEvaluated, RunStarted, SamplesSelected, StepApplied, WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
 )
 
 
@@ -41,6 +41,7 @@ class RunFacts:
     eval_rollouts: set[str] = field(default_factory=set)  # purpose "eval": not part of any step's reward
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)  # phase -> HeldoutEvaluated fields
     warm_start: dict[str, Any] | None = None
+    run_starts: int = 0  # RunStarted events: more than one when the run was resumed
     steps_applied: list[dict[str, Any]] = field(default_factory=list)
     t0: float | None = None
 
@@ -52,6 +53,8 @@ class RunFacts:
                 self.eval_rollouts.add(ev.rollout_id)
             else:
                 self.step_of[ev.rollout_id] = ev.step
+        elif isinstance(ev, RunStarted):
+            self.run_starts += 1
         elif isinstance(ev, HeldoutEvaluated):
             self.evals[ev.phase] = {"success": ev.success, "mean_score": ev.mean_score, "tasks": ev.tasks,
                                     "weight_version": ev.weight_version}

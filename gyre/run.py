@@ -89,6 +89,35 @@ def select_tasks(cfg: RunConfig, split: str | None) -> list[Any]:
     return tasks
 
 
+@dataclass
+class ResumePoint:
+    """Where a run with this id stopped, from its log: the steps applied (contiguous from
+    0), the weights they left, the rewards they had, the held-out results recorded."""
+
+    first_step: int = 0
+    weight_version: int = 0
+    rewards: list[float] = field(default_factory=list)
+    evals: dict[str, dict[str, Any]] = field(default_factory=dict)
+    started_steps: set[int] = field(default_factory=set)  # steps with rollouts in the log
+    attempt: int = 0  # how many times the run was started before
+
+
+async def resume_point(bus: Any, run_id: str) -> ResumePoint:
+    from gyre.report import collect
+
+    facts = await collect(bus, run_id)
+    applied = {s["step"]: s for s in facts.steps_applied}
+    point = ResumePoint(started_steps=set(facts.step_of.values()), attempt=max(facts.run_starts - 1, 0))
+    while point.first_step in applied:
+        point.first_step += 1
+    if point.first_step:
+        point.weight_version = int(applied[point.first_step - 1]["weight_version"])
+        by_step = facts.rewards_by_step()
+        point.rewards = [sum(by_step.get(k, [])) / max(len(by_step.get(k, [])), 1) for k in range(point.first_step)]
+        point.evals = {phase: dict(result) for phase, result in facts.evals.items() if phase == "before"}
+    return point
+
+
 def eval_result(outcomes: list[Any], rewards: dict[str, float], weight_version: int) -> dict[str, Any]:
     """Greedy success on a split: ``success`` is the share of tasks whose hidden tests all
     pass; ``mean_score`` the mean share of hidden tests passed."""
@@ -157,15 +186,25 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
             progress.status = "done"
             return progress
         metrics = RunMetrics.for_run(cfg)
-        if heldout:
+        resume = await resume_point(bus, cfg.run.id)
+        if resume.first_step:
+            progress.weight_version = resume.weight_version
+            progress.rewards = list(resume.rewards)
+            progress.evals.update(resume.evals)
+            progress.status = f"resuming after step {resume.first_step - 1} (weights v{resume.weight_version})"
+        if heldout and "before" not in progress.evals:
             await _evaluate("before", 0, runner, bus, cfg, heldout, greedy, progress, score_timeout_s)
         for step in range(cfg.run.steps):
+            chosen = rng.sample(tasks, min(cfg.tasks.per_step, len(tasks)))  # drawn for every step: same tasks on resume
+            if step < resume.first_step:
+                continue
             progress.step, progress.status = step, "rollouts"
-            chosen = rng.sample(tasks, min(cfg.tasks.per_step, len(tasks)))
             progress.last_tasks = [t.task_id for t in chosen]
             progress.running += len(chosen) * cfg.group_size
+            # a step begun before a restart runs again under new group ids (its old groups may never complete)
+            prefix = f"re{resume.attempt}-" if step in resume.started_steps else ""
             outcomes = await runner.run_step(step, chosen, cfg.group_size, weight_version=progress.weight_version,
-                                             harness=harness)
+                                             harness=harness, group_prefix=prefix)
             progress.running -= len(outcomes)
             progress.finished += sum(1 for o in outcomes if o.status == "finished")
             progress.timed_out += sum(1 for o in outcomes if o.status == "timed_out")

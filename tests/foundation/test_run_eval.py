@@ -25,3 +25,25 @@ def test_include_globs_narrow_the_task_set_and_splits_stay_apart():
     heldout = select_tasks(load_run_config(None, []), "heldout")
     train = select_tasks(load_run_config(None, []), "train")
     assert heldout and train and not {t.task_id for t in heldout} & {t.task_id for t in train}
+
+
+async def test_resume_point_starts_after_the_last_contiguous_applied_step():
+    from gyre.run import resume_point
+    from libs.common.bus.memory import InMemoryBus
+    from libs.common.events import HeldoutEvaluated, RolloutScored, RolloutStarted, RunStarted, StepApplied
+
+    bus = InMemoryBus()
+    assert (await resume_point(bus, "r")).first_step == 0  # a new run starts at step 0
+    await bus.publish(RunStarted(run_id="r"))
+    await bus.publish(HeldoutEvaluated(run_id="r", phase="before", tasks=2, success=0.5, mean_score=0.6))
+    for step, score in ((0, 0.2), (1, 0.4), (2, 0.9)):
+        await bus.publish(RolloutStarted(run_id="r", rollout_id=f"x{step}", task_id="t", group_id=f"g{step}",
+                                         harness="h", weight_version=step, api_key_digest="a" * 64, step=step))
+        await bus.publish(RolloutScored(run_id="r", rollout_id=f"x{step}", score=score))
+    await bus.publish(StepApplied(run_id="r", step=0, weight_version=1))
+    await bus.publish(StepApplied(run_id="r", step=1, weight_version=2))
+    await bus.publish(RunStarted(run_id="r"))  # the restart
+    point = await resume_point(bus, "r")
+    assert point.first_step == 2 and point.weight_version == 2 and point.attempt == 1
+    assert point.rewards == [0.2, 0.4] and point.started_steps == {0, 1, 2}
+    assert point.evals["before"]["success"] == 0.5
