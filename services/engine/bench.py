@@ -2,10 +2,17 @@
 
 Both sides run the default tiny Qwen-architecture model (fp32, 32k positions), greedy, on
 the same random prompts. Throughput counts generated tokens over wall time of the whole
-call (prefill included) for 8 prompts run one at a time (b1) and all at once (b8). The
+call (prefill included) for 8 prompts run one at a time (b1) and all at once (b8); each
+figure is the median of ``repeats`` runs, the two sides interleaved. The
 prefix-cache figure times a follow-up turn (64 new prompt tokens, 32 generated) after a
-4k-token prefix, with the prefix cached and after ``flush_cache``. The engine is driven
-in-process (no HTTP) so both sides measure model work, not transport.
+4k-token prefix, with the prefix cached and after ``flush_cache``; the ``first_token_*``
+fields time the same turn stopped after its first token (prefill only), which is the part
+the cache can save: with this model each of the 32 decode steps costs a full pass over the
+78 MB fp32 output matrix, which the cache cannot shorten. The engine is driven in-process
+(no HTTP) so both sides measure model work, not transport. Both sides are warmed up
+before any timing: the first large frees in a process move glibc's adaptive mmap threshold,
+and before that transformers' ``generate`` ran 5-9x slower here (page faults on fresh
+mmaps each step), so without the warm-up the baseline depended on what ran before it.
 """
 
 from __future__ import annotations
@@ -46,11 +53,22 @@ def run_bench(
         gen = torch.Generator().manual_seed(seed)
         vocab = engine.vocab_limit - 300  # ordinary tokens only
         batch = torch.randint(0, vocab, (prompts, prompt_tokens), generator=gen)
-        hf_b1, hf_b8, hf_ids = _hf_throughput(engine.runner.model, batch, new_tokens)
-        ours_b1, ours_b8, our_ids = asyncio.run(_engine_throughput(engine, batch.tolist(), new_tokens))
+        asyncio.run(_warm_up(engine, batch.tolist()))  # warm-up of both sides (see above)
+        _hf_throughput(engine.runner.model, batch[:, :64], 4)
+        # Both sides `repeats` times, interleaved, medians: a busy machine slows both alike.
+        hf_runs, our_runs = [], []
+        for _ in range(repeats):
+            hf_runs.append(_hf_throughput(engine.runner.model, batch, new_tokens))
+            our_runs.append(asyncio.run(_engine_throughput(engine, batch.tolist(), new_tokens)))
+        hf_b1, hf_b8 = (statistics.median(run[i] for run in hf_runs) for i in (0, 1))
+        ours_b1, ours_b8 = (statistics.median(run[i] for run in our_runs) for i in (0, 1))
+        hf_ids, our_ids = hf_runs[0][2], our_runs[0][2]
+        outputs_match = all(run[2] == hf_ids for run in hf_runs + our_runs)
         prefix = torch.randint(0, vocab, (prefix_tokens,), generator=gen).tolist()
         turns = [torch.randint(0, vocab, (turn_tokens,), generator=gen).tolist() for _ in range(repeats)]
         cached, uncached = asyncio.run(_turn_latency(engine, prefix, turns, turn_new_tokens))
+        # the same turns cut to their first token: what the cache saves before decoding starts
+        first_cached, first_uncached = asyncio.run(_turn_latency(engine, prefix, turns, 1))
     finally:
         service.close()
     return {
@@ -66,11 +84,16 @@ def run_bench(
         "decode_tok_s_b8": round(ours_b8, 2),
         "hf_decode_tok_s_b8": round(hf_b8, 2),
         "b8_ratio": round(ours_b8 / hf_b8, 3),
-        "greedy_outputs_match_hf": our_ids == hf_ids,
+        "greedy_outputs_match_hf": outputs_match,
+        "repeats": repeats,
         "prefix_tokens": prefix_tokens,
         "turn_latency_cached_s": round(cached, 4),
         "turn_latency_uncached_s": round(uncached, 4),
         "prefix_cache_speedup": round(uncached / cached, 3),
+        "turn_new_tokens": turn_new_tokens,
+        "first_token_latency_cached_s": round(first_cached, 4),
+        "first_token_latency_uncached_s": round(first_uncached, 4),
+        "first_token_speedup": round(first_uncached / first_cached, 3),
     }
 
 
@@ -103,6 +126,12 @@ async def _run(engine, ids: list[int], max_new: int) -> dict:
     return last
 
 
+async def _warm_up(engine, prompts: list[list[int]]) -> None:
+    """Runs the prompts at once (multi-row steps build the packed output matrix), then forgets them."""
+    await asyncio.gather(*[_run(engine, ids, 8) for ids in prompts])
+    await engine.acall(engine.flush_cache)
+
+
 async def _engine_throughput(engine, prompts: list[list[int]], new_tokens: int):
     await _run(engine, prompts[0][:16], 4)  # warm-up
     await engine.acall(engine.flush_cache)
@@ -119,6 +148,7 @@ async def _engine_throughput(engine, prompts: list[list[int]], new_tokens: int):
 
 
 async def _turn_latency(engine, prefix: list[int], turns: list[list[int]], new_tokens: int):
+    """Median wall time of a follow-up turn generating ``new_tokens``: (cached, uncached)."""
     cached, uncached = [], []
     for turn in turns:
         await engine.acall(engine.flush_cache)
@@ -129,8 +159,10 @@ async def _turn_latency(engine, prefix: list[int], turns: list[list[int]], new_t
         assert out["meta_info"]["cached_tokens"] == len(prefix)
         await engine.acall(engine.flush_cache)
         start = time.perf_counter()
-        await _run(engine, prefix + turn, new_tokens)
+        out = await _run(engine, prefix + turn, new_tokens)
         uncached.append(time.perf_counter() - start)
+        assert out["meta_info"]["cached_tokens"] == 0
+    await engine.acall(engine.flush_cache)
     return statistics.median(cached), statistics.median(uncached)
 
 

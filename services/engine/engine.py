@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .kv_cache import PrefixKVCache
-from .model_runner import ForwardItem, KVBuffer, ModelRunner
+from .metrics import EngineMetrics
+from .model_runner import ForwardItem, KVBuffer, ModelRunner, single_thread
 from .params import InvalidRequest, SamplingParams, check_input_ids
 from .sampler import SampleSpec, new_generator, sample
 from .scheduler import PauseMode, Scheduler, Sequence, check_stop, trim_stop_text
@@ -99,6 +100,7 @@ class Engine:
         self._stopping = False
         self.steps = 0
         self.generated_tokens = 0
+        self.metrics = EngineMetrics()
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -265,7 +267,8 @@ class Engine:
         sampling = [feed.seq for feed in feeds if feed.samples]
         specs = [SampleSpec(s.params, s.return_logprob, self._live[s.rid].generator, s.top_logprobs_num)
                  for s in sampling]
-        tokens, logprobs, tops = sample(logits, specs, self.vocab_limit)
+        with single_thread():  # row reductions over the vocabulary: too small to share (see model_runner)
+            tokens, logprobs, tops = sample(logits, specs, self.vocab_limit)
         for seq, token, logprob, top in zip(sampling, tokens, logprobs, tops):
             if seq.top_logprobs_num:
                 seq.output_top_logprobs.append(top)
@@ -274,6 +277,7 @@ class Engine:
     def _attach(self, seq: Sequence) -> None:
         live = self._live[seq.rid]
         if seq.params.max_new_tokens == 0 and not seq.output_ids:
+            self.metrics.admitted(len(seq.input_ids), 0)
             self.scheduler.finish(seq, {"type": "length", "length": 0})
             self._complete(seq)
             return
@@ -284,10 +288,12 @@ class Engine:
         if not seq.admitted_once:
             seq.cached_tokens = cached
             seq.admitted_once = True
+            self.metrics.admitted(len(seq.input_ids), cached)
 
     def _append(self, seq: Sequence, token: int, logprob: float | None) -> None:
         seq.output_ids.append(token)
         self.generated_tokens += 1
+        self.metrics.generated_tokens.inc()
         if seq.return_logprob:
             seq.output_logprobs.append(float(logprob))
         if not seq.version_spans or seq.version_spans[-1][1] != self.weight_version:
@@ -305,6 +311,8 @@ class Engine:
         if live is None:
             return
         self._drop_kv(seq, keep_in_cache=True, live=live)
+        finish = (seq.finish_reason or {}).get("type", "abort")
+        self.metrics.ended(finish, time.monotonic() - live.started)
         live.subscriber.post(self.snapshot(seq, started=live.started), final=True)
 
     def _drop_kv(self, seq: Sequence, keep_in_cache: bool, live: _Live | None = None) -> None:
@@ -345,6 +353,18 @@ class Engine:
                 meta["input_top_logprobs"] = []
                 meta["output_top_logprobs"] = [list(top) for top in seq.output_top_logprobs]
         return {"text": text, "output_ids": list(seq.output_ids), "meta_info": meta}
+
+    def refresh_metrics(self) -> None:
+        """Engine thread: sets the metrics' gauges from the current state."""
+        running_kv = sum(live.kv.nbytes for live in self._live.values() if live.kv is not None)
+        self.metrics.set_state(
+            running=len(self.scheduler.running),
+            queued=len(self.scheduler.waiting),
+            prefix_kv_bytes=self.prefix_cache.cached_tokens * self.runner.shape.kv_bytes_per_token,
+            running_kv_bytes=running_kv,
+            capacity_bytes=self.prefix_cache.capacity_tokens * self.runner.shape.kv_bytes_per_token,
+            weight_version=str(self.weight_version),
+        )
 
     def stats(self) -> dict:
         return {

@@ -17,12 +17,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from . import kv_transfer
 from .engine import Engine, EngineBusy, MemoryReleased
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .params import GenerateRequest, InvalidRequest, parse_sampling_params
 from .scheduler import PauseMode
 from .settings import EngineSettings
 from .weights import WeightManager, WeightUpdateError, deserialize_named_tensors
 
 SERVER_VERSION = "gyre-engine 0.1 (sglang 0.5.23 API subset)"
+METRICS_WAIT_S = 5.0
 
 
 def create_app(settings: EngineSettings, *, engine: Engine, weights: WeightManager) -> FastAPI:
@@ -78,6 +80,12 @@ def _serving_routes(app: FastAPI, settings: EngineSettings, engine: Engine) -> N
         async for _ in subscriber.updates():
             pass
         return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if engine.alive:  # gauges from the engine thread; a long step past the wait leaves the last ones
+            await asyncio.wait({asyncio.wrap_future(engine.call(engine.refresh_metrics))}, timeout=METRICS_WAIT_S)
+        return Response(engine.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
 
     @app.get("/model_info")
     @app.get("/get_model_info")

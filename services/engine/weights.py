@@ -140,6 +140,7 @@ class WeightManager:
         with torch.no_grad():
             for key, tensor in checked.items():
                 self.params[key].data.copy_(tensor.to(torch.float32))
+        self.engine.runner.weights_changed()
         if weight_version is not None:
             self.engine.weight_version = str(weight_version)
         self.engine.prefix_cache.flush()
@@ -221,6 +222,7 @@ class WeightManager:
             save_file({k: p.data.contiguous() for k, p in self.params.items()}, str(self._parked))
             for param in self.params.values():
                 param.data = torch.empty(0)
+            self.engine.runner.weights_changed()  # frees the packed output matrix too
             self.engine.released.add("weights")
 
     def resume(self, tags: list[str]) -> None:
@@ -230,6 +232,7 @@ class WeightManager:
             loaded = load_file(str(self._parked))
             for key, param in self.params.items():
                 param.data = loaded[key]
+            self.engine.runner.weights_changed()
             self._parked.unlink()
             self._parked.parent.rmdir()
             self._parked = None

@@ -60,6 +60,7 @@ def reset_engine(service) -> None:
     with torch.no_grad():
         for key, value in service.original.items():
             params[key].data.copy_(value)
+    engine.runner.weights_changed()
     engine.weight_version = service.settings.weight_version
     engine.prefix_cache.flush()
 

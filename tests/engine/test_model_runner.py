@@ -50,3 +50,55 @@ def test_unsupported_architectures_are_refused():
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
     with pytest.raises(ValueError, match="unsupported architecture"):
         ModelRunner(model, ModelLocation(Path(".")))
+
+
+def test_blocked_output_head_matches_transformers():
+    # A vocabulary big enough for the row-blocked output matmul (the tiny-qwen path).
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(5)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                         initializer_range=0.3)).eval()
+    runner = ModelRunner(model, ModelLocation(Path(".")))
+    assert runner._lm_groups > 1
+    ids = [list(range(7, 30)), list(range(900, 912)), list(range(15000, 15040))]
+    with torch.inference_mode():
+        refs = [model(torch.tensor([x])).logits[0, -1] for x in ids]
+    kvs = [runner.new_kv(4) for _ in ids]
+    one = runner.forward([ForwardItem(kvs[0], ids[0], True)])  # a single row
+    many = runner.forward([ForwardItem(kv, x, True) for kv, x in zip(kvs[1:], ids[1:])])
+    assert one.shape == (1, 16384) and many.shape == (2, 16384) and many.is_contiguous()
+    for got, ref in zip([one[0], many[0], many[1]], refs):
+        assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
+        assert int(got.argmax()) == int(ref.argmax())
+
+
+def test_multi_row_output_follows_weight_writes():
+    # The multi-row output matmul may use a packed copy of the matrix; writes must reach it.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(6)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                         initializer_range=0.3)).eval()
+    runner = ModelRunner(model, ModelLocation(Path(".")))
+    head = model.lm_head.weight
+    prompts = [list(range(5, 20)), list(range(700, 709))]
+
+    def check() -> None:
+        with torch.inference_mode():
+            refs = [model(torch.tensor([x])).logits[0, -1] for x in prompts]
+        got = runner.forward([ForwardItem(runner.new_kv(4), x, True) for x in prompts])
+        assert all(torch.allclose(g, r, atol=1e-4, rtol=1e-4) for g, r in zip(got, refs))
+
+    check()
+    with torch.no_grad():
+        head.copy_(head * 0.5 + 0.1)  # in place: autograd's version counter moves
+    check()
+    with torch.no_grad():
+        head.data.copy_(torch.randn(head.shape))  # behind autograd's back: the writer says so
+    runner.weights_changed()
+    check()
+    head.data = torch.randn(head.shape)  # swapped storage (release/resume)
+    check()
