@@ -1,0 +1,2 @@
+def fold(x):
+    return x + 5

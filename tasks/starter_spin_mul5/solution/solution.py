@@ -1,0 +1,2 @@
+def spin(x):
+    return x * 5
