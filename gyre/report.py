@@ -163,13 +163,16 @@ def _plots(facts: RunFacts, out: Path) -> list[tuple[str, str]]:
 
 def figures(facts: RunFacts) -> dict[str, Any]:
     by_step = facts.rewards_by_step()
+    train_scores = [v for r, v in facts.scores.items() if r not in facts.eval_rollouts]
     means = [statistics.fmean(v) for v in by_step.values()]
     return {
         "run": facts.run_id, "steps_with_rewards": len(means), "reward_per_step": [round(m, 4) for m in means],
-        "rollouts": len(facts.step_of), "finished": sum(1 for s in facts.ended.values() if s == "finished"),
-        "timed_out": sum(1 for s in facts.ended.values() if s == "timed_out"), "scored": len(facts.scores),
-        "partial_share": round(sum(1 for _, p in facts.scores.values() if p) / max(len(facts.scores), 1), 4),
-        "harness_failures": sum(1 for s in facts.exit_status.values() if s not in (0, None)),
+        "rollouts": len(facts.step_of),  # training rollouts; eval ones are counted apart (eval_rollouts)
+        "finished": sum(1 for r, s in facts.ended.items() if s == "finished" and r not in facts.eval_rollouts),
+        "timed_out": sum(1 for r, s in facts.ended.items() if s == "timed_out" and r not in facts.eval_rollouts),
+        "scored": len(train_scores),
+        "partial_share": round(sum(1 for _, p in train_scores if p) / max(len(train_scores), 1), 4),
+        "harness_failures": sum(1 for s in facts.exit_status.values() if s not in (0, None)),  # eval ones too
         "calls": facts.calls, "undelivered_calls": facts.undelivered, "drift": dict(facts.drift),
         "role_switches": facts.switches, "switch_failures": facts.switch_failures, "forks": dict(facts.forks),
         "stored_tokens": sum(facts.stored_tokens.values()), "selected_tokens": sum(facts.selected_tokens.values()),

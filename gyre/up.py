@@ -237,10 +237,26 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
     tasks = [t for t in select_tasks(cfg, "train") if t.split == "train"]
     if not tasks:
         raise ValueError("warmstart.enabled needs train-split tasks with a reference solution")
+    from libs.common.tasksets import is_task_set, materialize
+    from services.runner.tasks import default_tasks_dir
+
+    root = Path(cfg.tasks.dir) if cfg.tasks.dir else default_tasks_dir()
+    root = materialize(root) if is_task_set(root) else root  # where the tasks (and solutions) were loaded from
+    missing = [t.task_id for t in tasks if not (root / t.task_id / "solution").is_dir()]
+    if missing:
+        raise ValueError(f"warmstart.enabled: no reference solution (solution/ folder) for {', '.join(missing[:5])}"
+                         f"{' ...' if len(missing) > 5 else ''} in {root}; narrow tasks.include or turn it off")
     out = settings.run_dir / "warmstart" / "model"
     ws = cfg.warmstart
-    inputs = {"base": cfg.model.name, "tasks": [t.task_id for t in tasks], "steps": ws.steps, "lr": ws.lr,
-              "seed": ws.seed}
+    base = resolve_model(cfg.model.name).folder
+    solutions = hashlib.sha256()
+    for t in tasks:
+        for p in sorted((root / t.task_id).rglob("*")):
+            if p.is_file() and "__pycache__" not in p.parts and "hidden" not in p.relative_to(root / t.task_id).parts:
+                solutions.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
+    inputs = {"base": cfg.model.name, "base_folder": str(base), "tasks": [t.task_id for t in tasks],
+              "tasks_digest": solutions.hexdigest(), "steps": ws.steps, "lr": ws.lr, "seed": ws.seed,
+              "max_completion_tokens": cfg.sampling.max_tokens}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     marker = out.parent / "warmstart.json"
     console.rule("[bold]phase 0: warm start[/] (SFT on scripted demonstrations of the train tasks)")
@@ -254,9 +270,10 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
         except ValueError:
             reused = False
     if not reused:
-        base = resolve_model(cfg.model.name).folder
+        marker.unlink(missing_ok=True)  # a crash while training must not leave new weights under an old digest
         started = time.monotonic()
-        stats = warm_start(base, out, tasks, steps=ws.steps, lr=ws.lr, seed=ws.seed,
+        stats = warm_start(base, out, tasks, steps=ws.steps, lr=ws.lr, seed=ws.seed, tasks_root=root,
+                           max_completion_tokens=cfg.sampling.max_tokens,
                            log=lambda msg: console.print(f"  warm start: {msg}", markup=False, highlight=False))
         stats.setdefault("seconds", round(time.monotonic() - started, 1))
         marker.write_text(json.dumps({"inputs": inputs, "inputs_digest": digest, "stats": stats}, indent=2))

@@ -354,7 +354,8 @@ def warm_start(base_dir: Path, out_dir: Path, tasks: list[Task], *, steps: int, 
         f"{steps} steps of {min(batch_size, len(examples))} turns ({short_steps} short-context first, then "
         f"{'every ' + str(short_every) + 'th' if short_every and short_share else 'none'}), lr {lr:g}, seed {seed}")
     threads = torch.get_num_threads()
-    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32,
+                                                 attn_implementation="sdpa")  # the packed boolean mask needs SDPA
     pad_id = renderer.tokenizer.pad_token_id if renderer.tokenizer.pad_token_id is not None else 0
     losses = train_sft(model, examples, steps=steps, lr=lr, seed=seed, batch_size=min(batch_size, len(examples)),
                        pad_id=pad_id, log=log, short_examples=short_examples if short_share > 0 else None,

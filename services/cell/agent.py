@@ -27,7 +27,7 @@ def command_subject(run_id: str, cell: str) -> str:
     return f"gyre.{run_id}.cmd.cells.{cell}"
 
 
-CATCH_UP_TIMEOUT_S = 300.0  # loading the newest weights on the way back to inference
+CATCH_UP_TIMEOUT_S = 120.0  # loading the newest weights on the way back (under the scheduler's 300 s request timeout)
 
 
 class CellAgent:
