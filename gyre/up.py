@@ -350,6 +350,7 @@ class MainJob:
         result = summary(self.progress, role_switches=facts.get("role_switches", 0),
                          agent_errors=facts.get("harness_failures", 0) + facts.get("undelivered_calls", 0))
         result["replay_identical"] = self._replay_identical(settings, console)
+        (settings.run_dir / "summary.json").write_text(json.dumps(result, indent=2))  # always, beside the report
         if json_summary is not None:
             json_summary.write_text(json.dumps(result, indent=2))
         console.print(json.dumps(result))

@@ -62,7 +62,7 @@ def run_bench(
             our_runs.append(asyncio.run(_engine_throughput(engine, batch.tolist(), new_tokens)))
         hf_b1, hf_b8 = (statistics.median(run[i] for run in hf_runs) for i in (0, 1))
         ours_b1, ours_b8 = (statistics.median(run[i] for run in our_runs) for i in (0, 1))
-        hf_ids, our_ids = hf_runs[0][2], our_runs[0][2]
+        hf_ids = hf_runs[0][2]
         outputs_match = all(run[2] == hf_ids for run in hf_runs + our_runs)
         prefix = torch.randint(0, vocab, (prefix_tokens,), generator=gen).tolist()
         turns = [torch.randint(0, vocab, (turn_tokens,), generator=gen).tolist() for _ in range(repeats)]
