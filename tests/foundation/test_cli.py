@@ -127,14 +127,21 @@ def test_embedded_nats_dies_with_its_parent(tmp_path) -> None:
 def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> None:
     runs = tmp_path / "runs"
     summary = tmp_path / "summary.json"
+    # phase 0 (a 2-step warm start on the train-split scale tasks), held-out eval before and after
     res = gyre("up", "run.steps=1", "tasks.per_step=1", "group_size=2", "cells.count=1", "run.id=e2e",
-               f"run.dir={runs}", "--json-summary", str(summary), timeout=600)
+               f"run.dir={runs}", "tasks.include=[starter_scale*]", "warmstart.enabled=true", "warmstart.steps=2",
+               "eval.heldout=true", "--json-summary", str(summary), timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     figures = json.loads(summary.read_text())
+    assert figures == json.loads((runs / "e2e" / "summary.json").read_text())  # always written beside the report
     assert figures["steps"] == 1 and figures["agent_errors"] == 0 and not figures["errors"]
     assert figures["replay_identical"] is True  # trees and samples rebuilt from the log match
+    assert 0.0 <= figures["heldout_success_before"] <= 1.0 and 0.0 <= figures["heldout_success_after"] <= 1.0
     report = json.loads((runs / "e2e" / "report.json").read_text())
     assert report["rollouts"] == 2 and report["scored"] == 2 and report["calls"] >= 2
+    assert report["eval_rollouts"] == 4 and set(report["heldout"]) == {"before", "after"}  # 2 held-out tasks x 2
+    assert report["warm_start"]["steps"] == 2 and report["warm_start"]["demos"] == 6
+    assert (runs / "e2e" / "warmstart" / "model" / "config.json").exists()
     assert (runs / "e2e" / "reward.png").exists() and (runs / "e2e" / "report.html").exists()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
