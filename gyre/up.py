@@ -200,7 +200,11 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
         upgrade(settings.sqlalchemy_url)
         asyncio.run(_record_run_started(settings, cfg))
         if cfg.warmstart.enabled and eval_split is None and not check:
-            cfg = warm_start_phase(settings, cfg, console)
+            try:
+                cfg = warm_start_phase(settings, cfg, console)
+            except ValueError as exc:  # no solutions, held-out tasks, a demonstration that cannot be rendered
+                console.print(f"[red]warm start: {exc}[/]")
+                return 2
         env = {**os.environ, "GYRE_NATS_URL": settings.nats_url or "", "GYRE_RUN_ID": settings.run_id,
                "GYRE_RUN_DIR": str(settings.run_dir), "GYRE_DATABASE_URL": settings.sqlalchemy_url}
         plan = plan_stack(cfg, _admin_token(settings))
@@ -232,13 +236,13 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
     config with the model pointed at the warm-started folder."""
     from gyre.run import select_tasks
     from gyre.warmstart import warm_start
+    from libs.common.tasksets import is_task_set, materialize
     from services.engine.model_store import resolve_model
+    from services.runner.tasks import default_tasks_dir
 
     tasks = [t for t in select_tasks(cfg, "train") if t.split == "train"]
     if not tasks:
         raise ValueError("warmstart.enabled needs train-split tasks with a reference solution")
-    from libs.common.tasksets import is_task_set, materialize
-    from services.runner.tasks import default_tasks_dir
 
     root = Path(cfg.tasks.dir) if cfg.tasks.dir else default_tasks_dir()
     root = materialize(root) if is_task_set(root) else root  # where the tasks (and solutions) were loaded from

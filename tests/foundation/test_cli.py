@@ -165,3 +165,15 @@ def test_eval_scores_each_heldout_task_once_greedily(tmp_path) -> None:
 
     assert result["split"] == "heldout" and result["tasks"] == len(load_tasks(split="heldout")) >= 1
     assert result["scored"] == result["tasks"] and 0.0 <= result["pass_rate"] <= 1.0 and not result["errors"]
+
+
+def test_warm_start_without_reference_solutions_is_a_clear_error(tmp_path) -> None:
+    # a task set without solution/ folders is refused before any service starts
+    tasks = tmp_path / "tasks"
+    (tasks / "t1" / "hidden").mkdir(parents=True)
+    (tasks / "t1" / "task.yaml").write_text("prompt: write f\nsplit: train\n")
+    (tasks / "t1" / "hidden" / "test_t1.py").write_text("def test_x():\n    assert True\n")
+    (tasks / "t1" / "evaluator.yaml").write_text("weights: {'test_t1.py::test_x': 1}\n")
+    res = gyre("up", f"run.dir={tmp_path / 'runs'}", f"tasks.dir={tasks}", "warmstart.enabled=true", "cells.count=0",
+               timeout=120)
+    assert res.returncode == 2 and "no reference solution" in (res.stdout + res.stderr) and "t1" in res.stdout + res.stderr
