@@ -36,6 +36,7 @@ from libs.common.runconfig import RunConfig
 from libs.common.settings import GyreSettings
 
 SECRET_KEYS = {"admin_token", "nats_creds"}
+FINISH_TIMEOUT_S = 180.0  # the report and the tree replay at the end of a run
 
 
 @dataclass
@@ -344,8 +345,8 @@ class MainJob:
             console.print(json.dumps(result))
             return 1 if self.error is not None else 0
 
-        try:
-            path = asyncio.run(rebuild_report(settings))
+        try:  # bounded: a stop in the middle of a run must not hang here
+            path = asyncio.run(asyncio.wait_for(rebuild_report(settings), FINISH_TIMEOUT_S))
             facts = json.loads((path.parent / "report.json").read_text())
             console.print(f"report: {path}")
         except Exception as exc:  # the summary is still written
@@ -369,7 +370,8 @@ class MainJob:
         result: dict[str, Any] = {}
         for _ in range(4):
             try:
-                result = asyncio.run(replay_trees(settings.nats_url or "", settings.run_id))
+                result = asyncio.run(asyncio.wait_for(replay_trees(settings.nats_url or "", settings.run_id),
+                                                      FINISH_TIMEOUT_S))
             except Exception as exc:
                 console.print(f"[red]tree replay failed: {exc!r}[/]")
                 return None
