@@ -116,14 +116,10 @@ def resolved_config(settings: GyreSettings, cfg: RunConfig) -> dict[str, Any]:
 async def _record_run_started(settings: GyreSettings, cfg: RunConfig) -> None:
     config = resolved_config(settings, cfg)
     digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    bus = await JetStreamBus.connect(settings.nats_url or "", name="gyre-up")
-    try:
-        from gyre import __version__
+    from gyre import __version__
 
-        await bus.publish(RunStarted(run_id=settings.run_id, config=config, config_digest=digest,
-                                     gyre_version=__version__))
-    finally:
-        await bus.close()
+    await _publish(settings, RunStarted(run_id=settings.run_id, config=config, config_digest=digest,
+                                        gyre_version=__version__))
 
 
 def _spawn(launch: Launch, env: dict[str, str], log_dir: Any) -> Child:
