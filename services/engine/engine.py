@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from .kv_cache import PrefixKVCache
 from .metrics import EngineMetrics
-from .model_runner import ForwardItem, KVBuffer, ModelRunner, single_thread
+from .model_runner import ForwardItem, KVBuffer, ModelRunner
 from .params import InvalidRequest, SamplingParams, check_input_ids
 from .sampler import SampleSpec, new_generator, sample
 from .scheduler import PauseMode, Scheduler, Sequence, check_stop, trim_stop_text
@@ -203,10 +203,17 @@ class Engine:
 
     # -- the loop (engine thread) ------------------------------------------------------
     def _run(self) -> None:
-        if self.settings.num_threads:  # OpenMP thread counts are per calling thread
-            import torch
+        import torch
 
-            torch.set_num_threads(self.settings.num_threads)
+        # OpenMP thread counts are per calling thread. This one runs on one: its own tensor
+        # work (KV copies, sampling) is small or memory bound, and a parallel region on a
+        # shared CPU can wait a whole scheduler slice for its second thread (a 4 MB KV copy:
+        # 0.1 ms on one thread, 8-12 ms on two while another job ran). The model's big ops
+        # use up to ``runner.threads`` (see model_runner.ThreadChoice; by default the count
+        # of the thread that built the runner).
+        if self.settings.num_threads:
+            self.runner.threads = self.settings.num_threads
+        torch.set_num_threads(1)
         while not self._stopping:
             block = not self.scheduler.has_work()
             try:
@@ -258,7 +265,7 @@ class Engine:
         items = []
         for feed in feeds:
             live = self._live[feed.seq.rid]
-            ids = feed.seq.all_ids[feed.start : feed.start + feed.count]
+            ids = feed.seq.ids_between(feed.start, feed.start + feed.count)
             items.append(ForwardItem(live.kv, ids, feed.samples))
         logits = self.runner.forward(items)
         self.steps += 1
@@ -267,8 +274,7 @@ class Engine:
         sampling = [feed.seq for feed in feeds if feed.samples]
         specs = [SampleSpec(s.params, s.return_logprob, self._live[s.rid].generator, s.top_logprobs_num)
                  for s in sampling]
-        with single_thread():  # row reductions over the vocabulary: too small to share (see model_runner)
-            tokens, logprobs, tops = sample(logits, specs, self.vocab_limit)
+        tokens, logprobs, tops = sample(logits, specs, self.vocab_limit)  # on this thread's one thread (see _run)
         for seq, token, logprob, top in zip(sampling, tokens, logprobs, tops):
             if seq.top_logprobs_num:
                 seq.output_top_logprobs.append(top)

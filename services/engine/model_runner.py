@@ -13,6 +13,7 @@ grows by doubling. The prefix cache stores slices of it (see :mod:`.kv_cache`).
 from __future__ import annotations
 
 import logging
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -31,8 +32,71 @@ SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # one thread. Its ops are tiny (a decode step of tiny-qwen: 8 rows x 128 x 384), and torch
 # hands even tiny bmm/softmax/linear calls to its OpenMP pool: ~10 us per op on an idle CPU,
 # 0.4-5 ms per op on a busy one (measured, 2 threads vs 1: mean 0.7-4.8 ms vs 0.04 ms for an
-# 8x128x384 linear while other processes ran). The output matmul keeps every thread.
+# 8x128x384 linear while other processes ran). Bigger layer passes and the output matmul
+# get their thread count from a ThreadChoice; everything else on the engine thread (KV
+# copies, sampling) runs on one thread (see Engine._run).
 SERIAL_LAYER_MACS = 1 << 22
+
+
+class ThreadChoice:
+    """Picks the intra-op thread count of one recurring op from its own measured times.
+
+    Whether more OpenMP threads help depends on what else runs on the machine: torch splits
+    an op's work statically, so when another process holds one of the cores the op waits for
+    its slowest share, often a whole scheduler slice. Measured on the 2-core bench machine
+    while another job ran: the tiny-qwen output matmul (one row) took 7.4 ms on one thread
+    and 16 ms on two, a 4 MB KV copy 0.1 ms and 8-12 ms; on an idle machine two threads are
+    the faster for the matmul. The candidates are one thread and all of them. The output
+    kernels used here (row-blocked bmm, oneDNN on the packed matrix) and the layer pass gave
+    the same bits either way (each block is computed whole by one thread; checked in
+    tests/engine/test_model_runner.py and on tiny-qwen's 4k-token prefill), so the choice
+    moves time only. (A BLAS may in general round differently by thread count; the serial
+    rule above already allowed that.)
+
+    Keyed by a size (the number of rows): each key first times every candidate ``warm``
+    times, then runs the one with the lower moving average, and every ``probe_every``-th
+    call times the other once more, so a change in load flips the choice within a few
+    probes (the current choice is timed on every call, so its own slowdowns show at once).
+    Worked example (candidates 1 and 2, warm 2, probe_every 16): calls 1-4 run on 1, 1, 2, 2
+    threads; calls 5-15 on the faster; call 16 on the other; and so on.
+    """
+
+    ALPHA = 0.5  # weight of the newest time in the moving average
+
+    def __init__(self, warm: int = 2, probe_every: int = 16) -> None:
+        self.warm = warm
+        self.probe_every = probe_every
+        self._calls: dict[tuple[int, int], int] = {}
+        self._times: dict[tuple[int, int], dict[int, tuple[int, float]]] = {}  # -> {threads: (runs, avg s)}
+
+    def pick(self, key: int, threads: int) -> int:
+        """The thread count for the next call of size ``key`` when ``threads`` are available."""
+        if threads <= 1:
+            return threads
+        slot = (key, threads)
+        calls = self._calls[slot] = self._calls.get(slot, 0) + 1
+        times = self._times.setdefault(slot, {1: (0, 0.0), threads: (0, 0.0)})
+        for candidate, (runs, _) in times.items():
+            if runs < self.warm:
+                return candidate
+        best = min(times, key=lambda t: times[t][1])
+        if calls % self.probe_every == 0:
+            return 1 if best == threads else threads
+        return best
+
+    def record(self, key: int, threads: int, used: int, seconds: float) -> None:
+        times = self._times.get((key, threads))
+        if times is None or used not in times:
+            return
+        runs, avg = times[used]
+        times[used] = (runs + 1, seconds if runs == 0 else (1 - self.ALPHA) * avg + self.ALPHA * seconds)
+
+    def chosen(self, key: int, threads: int) -> int | None:
+        """The current choice for ``key`` once every candidate has been timed (None before)."""
+        times = self._times.get((key, threads))
+        if times is None or any(runs < self.warm for runs, _ in times.values()):
+            return None
+        return min(times, key=lambda t: times[t][1])
 
 
 @dataclass(frozen=True)
@@ -139,6 +203,10 @@ class ModelRunner:
         self._packed_head: tuple[tuple, torch.Tensor] | None = None
         self._pack_usable = torch.backends.mkldnn.is_available()
         self._lm_groups = next((g for g in (64, 32, 16, 8, 4, 2) if vocab % g == 0 and vocab // g >= 1024), 1)
+        # intra-op threads the big ops may use (the engine thread itself runs on one)
+        self.threads = torch.get_num_threads()
+        self.output_threads = ThreadChoice()  # keyed by rows
+        self.layer_threads = ThreadChoice()  # keyed by the bit length of the fed token count
 
     # -- loading ---------------------------------------------------------------------
     @classmethod
@@ -167,13 +235,19 @@ class ModelRunner:
             item.kv.reserve(item.kv.length + len(item.token_ids))
             ids.extend(item.token_ids)
             positions.extend(range(item.kv.length, item.kv.length + len(item.token_ids)))
-        with single_thread(len(ids) * self._macs_per_token <= SERIAL_LAYER_MACS):
+        serial = len(ids) * self._macs_per_token <= SERIAL_LAYER_MACS
+        key = len(ids).bit_length()
+        use = 1 if serial else self.layer_threads.pick(key, self.threads)
+        start = time.perf_counter()
+        with thread_count(use):
             h = self._embed(torch.tensor(ids, dtype=torch.long))
             pos = torch.tensor(positions, dtype=torch.long)
             cos, sin = self._rotary(h, pos[None])
             cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, head_dim]
             for index, layer in enumerate(self._layers):
                 h = self._layer_forward(index, layer, h, cos, sin, items)
+        if not serial:
+            self.layer_threads.record(key, self.threads, use, time.perf_counter() - start)
         for item in items:
             item.kv.length += len(item.token_ids)
         last, offset = [], 0
@@ -192,6 +266,19 @@ class ModelRunner:
         self._packed_head = None
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """:meth:`_output_product` on the thread count :class:`ThreadChoice` picks for this many rows."""
+        n = hidden.shape[0]
+        if n > 1:
+            with thread_count(self.threads):
+                self._packed_output_matrix()  # (re)built outside the timed call
+        use = self.output_threads.pick(n, self.threads)
+        start = time.perf_counter()
+        with thread_count(use):
+            out = self._output_product(hidden)
+        self.output_threads.record(n, self.threads, use, time.perf_counter() - start)
+        return out
+
+    def _output_product(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ lm_head.T`` as ``[n, vocab]``, exact fp32.
 
         The output matrix of a small model is most of its bytes (151936 x 128 fp32 is 78 MB
@@ -337,17 +424,22 @@ def _bind_layer(layer) -> _Layer:
 
 
 @contextmanager
-def single_thread(active: bool = True):
-    """Runs the block on one intra-op thread (this thread's setting; restored after)."""
+def thread_count(wanted: int):
+    """Runs the block on ``wanted`` intra-op threads (this thread's setting; restored after)."""
     threads = torch.get_num_threads()
-    if not active or threads == 1:
+    if wanted == threads:
         yield
         return
-    torch.set_num_threads(1)
+    torch.set_num_threads(wanted)
     try:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def single_thread(active: bool = True):
+    """Runs the block on one intra-op thread (when ``active``)."""
+    return thread_count(1 if active else torch.get_num_threads())
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

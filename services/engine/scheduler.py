@@ -64,6 +64,15 @@ class Sequence:
     def all_ids(self) -> list[int]:
         return self.input_ids + self.output_ids
 
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """``all_ids[start:end]`` without building ``all_ids`` (a step feeds one token of a long sequence)."""
+        prompt = len(self.input_ids)
+        if end <= prompt:
+            return self.input_ids[start:end]
+        if start >= prompt:
+            return self.output_ids[start - prompt : end - prompt]
+        return self.input_ids[start:] + self.output_ids[: end - prompt]
+
     @property
     def total_len(self) -> int:
         return len(self.input_ids) + len(self.output_ids)

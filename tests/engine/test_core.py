@@ -77,6 +77,12 @@ def test_plan_puts_decodes_first_and_chunks_prompts_within_the_budget():
     assert [(f.seq.rid, f.start, f.count, f.samples) for f in feeds] == [("a", 2, 1, True), ("b", 0, 9, False)]
 
 
+def test_ids_between_slices_prompt_and_output_without_joining_them():
+    seq = Sequence(rid="a", input_ids=[10, 11, 12], params=parse_sampling_params({}), output_ids=[20, 21])
+    spans = [(0, 2), (1, 3), (2, 4), (3, 5), (4, 5), (0, 5)]
+    assert [seq.ids_between(a, b) for a, b in spans] == [seq.all_ids[a:b] for a, b in spans]
+
+
 def test_admission_respects_max_running_and_pause():
     sched = Scheduler(max_running=1, step_token_budget=100, max_context=1000)
     first, second = _seq("a", 2), _seq("b", 2)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.engine.model_runner import ForwardItem, ModelRunner
+from services.engine.model_runner import ForwardItem, ModelRunner, ThreadChoice
 from services.engine.model_store import ModelLocation
 
 
@@ -102,3 +102,46 @@ def test_multi_row_output_follows_weight_writes():
     check()
     head.data = torch.randn(head.shape)  # swapped storage (release/resume)
     check()
+
+
+def test_thread_choice_times_both_then_keeps_the_faster_and_probes_the_other():
+    choice = ThreadChoice(warm=2, probe_every=4)
+    cost = {1: 3.0, 2: 8.0}  # a busy machine: the second thread costs more than it brings
+
+    def run(n: int) -> list[int]:
+        used = []
+        for _ in range(n):
+            threads = choice.pick(1, 2)
+            choice.record(1, 2, threads, cost[threads])
+            used.append(threads)
+        return used
+
+    assert run(4) == [1, 1, 2, 2]  # every candidate timed `warm` times first
+    assert choice.chosen(1, 2) == 1
+    assert run(8) == [1, 1, 1, 2, 1, 1, 1, 2]  # every 4th call times the other again
+    cost.update({1: 3.0, 2: 1.0})  # the machine goes quiet: the probes see it
+    run(12)
+    assert choice.chosen(1, 2) == 2 and choice.chosen(7, 2) is None  # keys are separate
+    assert ThreadChoice().pick(1, 1) == 1  # one thread available: nothing to choose
+
+
+def test_one_or_all_threads_give_the_same_bits():
+    # The thread choice must move time only: the blocked (one row) and packed (several
+    # rows) output kernels and the layer pass compute each block whole on one thread.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(7)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                                         initializer_range=0.3)).eval()
+    runner = ModelRunner(model, ModelLocation(Path(".")))
+    runner.threads = 2
+    prompts = [list(range(3, 1203)), list(range(9000, 9300))]  # a layer pass past the serial size
+    results = []
+    for threads in (1, 2):
+        runner.output_threads.pick = runner.layer_threads.pick = lambda key, available, t=threads: t
+        kvs = [runner.new_kv(16) for _ in prompts]
+        both = runner.forward([ForwardItem(kv, x, True) for kv, x in zip(kvs, prompts)])
+        one = runner.forward([ForwardItem(kvs[0], [42], True)])
+        results.append((both, one, kvs[0].data[:, :, :, : kvs[0].length].clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results))
