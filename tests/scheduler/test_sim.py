@@ -153,3 +153,30 @@ def test_only_the_baselines_lose_streaming() -> None:
     on = replace(TINY, baseline_streaming=True)
     assert simulate(on, "elastic").digest == simulate(TINY, "elastic").digest
     assert simulate(on, "async", training_cells=2).hours != simulate(TINY, "async", training_cells=2).hours
+
+
+def test_batch_dependent_latency_keeps_work_and_speeds_lone_calls() -> None:
+    """``full_batch_slowdown``: a lone call runs ``slowdown`` times faster than on a full cell,
+    the work served (full-cell seconds) is the same, and 1.0 is the load-independent model."""
+    from services.scheduler.sim.inference import Call, InferencePool
+
+    pool = InferencePool(4, full_batch_slowdown=2.0)
+    pool.add_cell("c0", 0.0)
+    pool.submit(Call(1, 1, 10.0))
+    (lone,) = pool.dispatch(0.0)
+    assert lone.ends_at == pytest.approx(5.0)  # alone: twice as fast as on a full cell
+    for i in range(2, 5):
+        pool.submit(Call(i, i, 10.0))
+    pool.dispatch(1.0)  # now four calls share the cell: each at full-cell speed
+    ends = {c.id: c.ends_at for c in pool.take_retimed()}
+    assert ends[1] == pytest.approx(1.0 + 8.0) and ends[2] == pytest.approx(11.0)
+    assert pool.finish("c0", 1, 9.0) is not None
+    assert pool.executed_s == pytest.approx(10.0 + 3 * 8.0)
+
+    slow = replace(TINY, full_batch_slowdown=2.0)
+    runs = [simulate(slow, "elastic"), simulate(TINY, "elastic")]
+    assert runs[0].inference_work_cell_h == pytest.approx(runs[1].inference_work_cell_h)
+    assert runs[0].digest != runs[1].digest
+    assert simulate(replace(TINY, full_batch_slowdown=1.0), "elastic").digest == runs[1].digest
+    with pytest.raises(ValueError, match="full_batch_slowdown"):
+        replace(TINY, full_batch_slowdown=0.5)

@@ -35,6 +35,7 @@ class SimConfig:
     tick_s: float = 30.0  # how often the scheduler decides
     sessions_per_cell: int = 0  # >0: KV memory binds; a cell holds this many sessions (sessions.py)
     reprefill_s: float = 60.0  # slot-seconds to rebuild an evicted session's KV (sessions model)
+    full_batch_slowdown: float = 1.0  # decode step with all slots busy / with one call (1: latency load-independent)
     switch_failure_rate: float = 0.0  # chance a switch fails part-way (robustness tests)
     seed: int = 0
     workload: WorkloadModel = field(default_factory=WorkloadModel)
@@ -44,6 +45,11 @@ class SimConfig:
             raise ValueError("need cells >= 2, slots_per_cell >= 1, batch_rollouts >= 1, steps >= 1")
         if self.staleness < 0 or self.tick_s <= 0 or self.sessions_per_cell < 0:
             raise ValueError("need staleness >= 0, tick_s > 0 and sessions_per_cell >= 0")
+        if not 1.0 <= self.full_batch_slowdown <= self.slots_per_cell:
+            raise ValueError("need 1 <= full_batch_slowdown <= slots_per_cell (a step never shrinks with the "
+                             "batch, and a cell's throughput never falls as calls are added)")
+        if self.full_batch_slowdown != 1.0 and self.sessions_per_cell:
+            raise ValueError("full_batch_slowdown is modelled for the call-slot pool only (sessions_per_cell 0)")
 
     @property
     def cell_capacity(self) -> int:

@@ -65,7 +65,7 @@ class ClusterSim:
         self.pool = (
             SessionPool(config.slots_per_cell, config.sessions_per_cell, config.reprefill_s)
             if config.sessions_per_cell
-            else InferencePool(config.slots_per_cell)
+            else InferencePool(config.slots_per_cell, config.full_batch_slowdown)
         )
         # Gyre's elastic trainer streams micro-steps; the baselines' trainer waits for the
         # step's whole batch unless ``baseline_streaming`` (docs/sim/calibration.md)
@@ -148,7 +148,11 @@ class ClusterSim:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        for call in self.pool.dispatch(self.now):
+        started = self.pool.dispatch(self.now)
+        if self.pool.alpha:  # batch-dependent latency: calls whose cell's batch changed end elsewhen
+            moved = {c.id: c for c in self.pool.take_retimed() if c.cell is not None}
+            started = [c for c in started if c.id not in moved] + list(moved.values())
+        for call in started:
             self._push(call.ends_at, CALL_DONE, (call.cell, call.id))
 
     def _on_call_done(self, data: object) -> None:
