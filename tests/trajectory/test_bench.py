@@ -85,3 +85,77 @@ def test_the_small_preset_is_the_default_scaled_down():
     assert small.compact_at * 40 == default.compact_at
     out = run_bench(preset="small", verify=False)
     assert out["forks"]["compaction"] >= out["rollouts"] and out["forks"]["subagent"] > 0
+
+
+def _union_size(seqs: list[list[int]]) -> int:
+    """Distinct (prefix, token) positions of some sequences, from the sequences alone:
+    sorted, each adds the positions it does not share with its predecessor."""
+    ordered = sorted(seqs)
+    total = sum(len(s) for s in ordered)
+    for a, b in zip(ordered, ordered[1:]):
+        n = 0
+        while n < min(len(a), len(b)) and a[n] == b[n]:
+            n += 1
+        total -= n
+    return total
+
+
+def _sealed_small(seed: int = 0, **overrides):
+    from services.trajectory.forks import HARNESS_RULES
+    from services.trajectory.rollout_tree import RolloutTree, TreeConfig
+    from services.trajectory.workload import COMPACTION_INSTRUCTION
+
+    rules = HARNESS_RULES["claude_code"].with_markers(summary=[COMPACTION_INSTRUCTION[1:-1]])
+    for calls in generate(preset("small", seed=seed, **overrides)):
+        rollout = RolloutTree(calls[0].rollout_id, TreeConfig(rules))
+        for c in calls:
+            rollout.add(c)
+        yield calls, rollout.seal()
+
+
+def test_train_token_counts_agree_with_an_independent_count_from_the_records():
+    """``train_flat_tokens`` is the selected calls' lengths and ``train_tree_tokens`` the
+    distinct positions of their sequences, both rebuilt from the call records alone."""
+    from ._calls import full_sequences
+
+    flat = tree = 0
+    for calls, sealed in _sealed_small():
+        seqs = full_sequences(calls)
+        chosen = [seqs[b.call_id] for b in sealed.selected]
+        assert [b.n_tokens for b in sealed.selected] == [len(s) for s in chosen]
+        assert sum(p.n_tokens for p in sealed.packed) == _union_size(chosen)
+        assert len(sealed.packed) == 1  # one tree per execution: every shared prefix once
+        flat += sum(len(s) for s in chosen)
+        tree += _union_size(chosen)
+    out = run_bench(preset="small", verify=False)
+    assert (out["train_flat_tokens"], out["train_tree_tokens"]) == (flat, tree)
+
+
+def test_no_other_choice_within_the_roles_shares_more_on_the_small_preset():
+    """The roles fix every pick but those of the last role reached; among all the ways to
+    fill those (brute force), none reuses more of the already packed tokens than the
+    greedy longest-prefix choice (services/trajectory/README.md). On ``small`` (one
+    compaction per rollout) the roles fix both main epochs and the summary and leave two
+    of the 8-10 sub-agent branches free."""
+    from itertools import combinations
+
+    from services.trajectory.records import ROLE_PRIORITY
+
+    from ._calls import full_sequences
+
+    for calls, sealed in (r for seed in range(3) for r in _sealed_small(seed)):
+        seqs = full_sequences(calls)
+        rank = lambda b: ROLE_PRIORITY.index(b.role)  # noqa: E731
+        last = max(rank(b) for b in sealed.selected)
+        fixed = [b for b in sealed.selected if rank(b) < last]
+        free = [b for b in sealed.selected if rank(b) == last]
+        pool = [b for b in sealed.branches if b.delivered and rank(b) == last]
+        assert len(pool) > len(free) >= 1  # a real choice
+
+        base = _union_size([seqs[b.call_id] for b in fixed])
+
+        def shared(extra) -> int:  # tokens of ``extra`` already stored: not packed again
+            new = _union_size([seqs[b.call_id] for b in fixed + list(extra)]) - base
+            return sum(b.n_tokens for b in extra) - new
+
+        assert shared(free) == max(shared(c) for c in combinations(pool, len(free)))
