@@ -232,7 +232,7 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
     reused when its inputs are unchanged), records ``WarmStartCompleted`` and returns the
     config with the model pointed at the warm-started folder."""
     from gyre.run import select_tasks
-    from gyre.warmstart import warm_start
+    from gyre.warmstart import DEFAULT_CURRICULUM, warm_start
     from libs.common.tasksets import is_task_set, materialize
     from services.engine.model_store import resolve_model
     from services.runner.tasks import default_tasks_dir
@@ -257,7 +257,7 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
                 solutions.update(p.relative_to(root).as_posix().encode() + b"\0" + p.read_bytes())
     inputs = {"base": cfg.model.name, "base_folder": str(base), "tasks": [t.task_id for t in tasks],
               "tasks_digest": solutions.hexdigest(), "steps": ws.steps, "lr": ws.lr, "seed": ws.seed,
-              "max_completion_tokens": cfg.sampling.max_tokens}
+              "curriculum": [list(stage) for stage in DEFAULT_CURRICULUM], "max_completion_tokens": cfg.sampling.max_tokens}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     marker = out.parent / "warmstart.json"
     console.rule("[bold]phase 0: warm start[/] (SFT on scripted demonstrations of the train tasks)")

@@ -109,7 +109,7 @@ class WarmStartSection(_Section):
     as a separate phase before RL (``gyre/warmstart.py``); never sees held-out tasks."""
 
     enabled: bool = False
-    steps: int = Field(default=160, ge=1)
+    steps: int = Field(default=260, ge=1)
     lr: float = Field(default=3e-3, gt=0)
     seed: int = 0
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gyre.warmstart import (
-    DemoError, build_demos, completion_loss, greedy_eval, render_demo, scripted_turns, warm_start,
+    DEFAULT_CURRICULUM, DemoError, _stage_examples, build_demos, completion_loss, greedy_eval, render_demo,
+    scripted_turns, stage_steps, train_sft, warm_start,
 )
 from services.engine.model_store import default_cache_dir, ensure_tiny_qwen
 from services.proxy.adapters.template import HFRenderer
@@ -157,3 +158,33 @@ def test_greedy_eval_grades_the_written_file(base_dir, tmp_path) -> None:
     result = greedy_eval(base_dir, [task], max_new_tokens=8)
     assert result["tasks"] == 1 and result["mean_score"] == 0.0 and task.task_id in result["per_task"]
 
+
+
+def test_curriculum_stages_split_the_steps_and_cut_prompts_from_the_start():
+    assert stage_steps(260, DEFAULT_CURRICULUM) == [60, 40, 40, 40, 80]
+    assert sum(stage_steps(7, DEFAULT_CURRICULUM)) == 7
+    assert stage_steps(10, [("full", 1.0)]) == [10]
+    with pytest.raises(ValueError):
+        stage_steps(10, [("short", 0), ("full", 0)])
+    full = [([1, 2, 3, 4, 5, 9, 9], 5), ([7, 8, 9], 2)]
+    short = [([5, 9, 9], 1)]
+    # the last 3 prompt tokens, the completion kept whole; a prompt shorter than the cut stays whole
+    assert _stage_examples(full, short, 3) == [([3, 4, 5, 9, 9], 3), ([7, 8, 9], 2)]
+    assert _stage_examples(full, short, "short") == short
+    assert _stage_examples(full, short, "full") == full
+    for bad in (0, -4, "half", True):
+        with pytest.raises(ValueError):
+            _stage_examples(full, short, bad)
+
+
+def test_train_sft_refuses_stages_that_do_not_add_up(base_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, attn_implementation="sdpa")
+    examples = [([1, 2, 3, 4], 2)]
+    with pytest.raises(ValueError, match="add up"):
+        train_sft(model, examples, steps=3, lr=1e-3, seed=0, batch_size=1, log=lambda _: None,
+                  stages=[("full", examples, 2)])
+    with pytest.raises(ValueError, match="no examples"):
+        train_sft(model, examples, steps=1, lr=1e-3, seed=0, batch_size=1, log=lambda _: None,
+                  stages=[("96", [], 1)])
