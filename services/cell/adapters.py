@@ -116,12 +116,18 @@ class WeightsSeat:
 
     async def prepare(self) -> None:
         """At agent start (not during a switch): import the model code once, as any
-        long-lived trainer process has."""
-        await asyncio.to_thread(self._import)
+        long-lived trainer process has. No weights are loaded (no memory is held)."""
+        await asyncio.to_thread(self._import, self.model_folder)
 
     @staticmethod
-    def _import() -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM  # noqa: F401
+    def _import(folder: Path) -> None:
+        from transformers import AutoConfig
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        # transformers imports an architecture's module lazily, on the first model built
+        # (Qwen2: ~1.3 s, most of a first switch to training); resolving the folder's
+        # class here imports it while the cell still serves.
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(folder)))]
 
     async def join(self, weight_version: int) -> None:
         start = time.monotonic()

@@ -142,3 +142,16 @@ async def test_a_cell_back_from_training_serves_the_newest_weights(proxy, engine
     await proxy.bus.publish(WeightsPublished(run_id="ptest", weight_version=7, checkpoint_digest=digest))
     assert (await agents[1].switch("inference")).ok
     assert await agents[1].engine.weight_version() == 7
+
+
+def test_weights_seat_prepare_imports_the_architecture_without_loading_weights(model_dir):
+    """A first switch to training must not pay transformers' lazy import of the model's
+    module (~1.3 s for Qwen2): the seat resolves the class at agent start."""
+    import subprocess
+    import sys
+
+    code = ("import asyncio, sys; from pathlib import Path; from services.cell.adapters import WeightsSeat; "
+            f"s = WeightsSeat(Path({str(model_dir)!r})); asyncio.run(s.prepare()); "
+            "print('transformers.models.qwen2.modeling_qwen2' in sys.modules, s.model is None)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split()[-2:] == ["True", "True"]
