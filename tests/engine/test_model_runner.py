@@ -25,6 +25,16 @@ def _tiny(arch: str):
     return LlamaForCausalLM(LlamaConfig(tie_word_embeddings=False, rope_theta=5e5, **common))
 
 
+def _qwen2(seed: int, *, vocab: int, positions: int, layers: int = 1):
+    """A random Qwen2 of hidden size 64 with a vocabulary big enough for the chosen output kernel."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        max_position_embeddings=positions, initializer_range=0.3)).eval()
+
+
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
 def test_ragged_steps_match_transformers(arch):
     model = _tiny(arch).eval()
@@ -54,12 +64,7 @@ def test_unsupported_architectures_are_refused():
 
 def test_blocked_output_head_matches_transformers():
     # A vocabulary big enough for the row-blocked output matmul (the tiny-qwen path).
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(5)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                                         initializer_range=0.3)).eval()
+    model = _qwen2(5, vocab=16384, positions=128)
     runner = ModelRunner(model, ModelLocation(Path(".")))
     assert runner._lm_groups > 1
     ids = [list(range(7, 30)), list(range(900, 912)), list(range(15000, 15040))]
@@ -76,12 +81,7 @@ def test_blocked_output_head_matches_transformers():
 
 def test_multi_row_output_follows_weight_writes():
     # The multi-row output matmul may use a packed copy of the matrix; writes must reach it.
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(6)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                         initializer_range=0.3)).eval()
+    model = _qwen2(6, vocab=8192, positions=64)
     runner = ModelRunner(model, ModelLocation(Path(".")))
     head = model.lm_head.weight
     prompts = [list(range(5, 20)), list(range(700, 709))]
@@ -128,12 +128,7 @@ def test_thread_choice_times_both_then_keeps_the_faster_and_probes_the_other():
 def test_one_or_all_threads_give_the_same_bits():
     # The thread choice must move time only: the blocked (one row) and packed (several
     # rows) output kernels and the layer pass compute each block whole on one thread.
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(7)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=16384, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                         initializer_range=0.3)).eval()
+    model = _qwen2(7, vocab=16384, positions=2048, layers=2)
     runner = ModelRunner(model, ModelLocation(Path(".")))
     runner.threads = 2
     prompts = [list(range(3, 1203)), list(range(9000, 9300))]  # a layer pass past the serial size
