@@ -29,6 +29,11 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def _released(exc: BaseException) -> bool:
+    """The engine refused because its memory is released (SGLang's ``release_memory_occupation``)."""
+    return getattr(exc, "status", None) == 400 and "weights are released" in str(getattr(exc, "message", ""))
+
+
 @dataclass
 class EnginePublisher:
     clients: dict[str, object]  # cell -> services.engine.client.EngineClient
@@ -50,7 +55,10 @@ class EnginePublisher:
             try:
                 await self._send(client, version, weights, path)
             except Exception as exc:  # one cell failing must not stop the others or the core
-                log.warning("publishing v%d to %s failed: %r", version, cell, exc)
+                if _released(exc):  # a cell lent to training: it loads the newest version when it resumes
+                    log.info("v%d not sent to %s: its weights are released (the cell trains)", version, cell)
+                else:
+                    log.warning("publishing v%d to %s failed: %r", version, cell, exc)
                 continue
             done.append(cell)
         return done

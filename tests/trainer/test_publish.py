@@ -42,6 +42,29 @@ async def test_engine_serves_the_published_weights(engine, mode, tmp_path):
     await client.aclose()
 
 
+
+async def test_a_released_cell_is_skipped_without_a_warning(engine, caplog):
+    """A cell lent to training has released its weights: publication skips it quietly (it
+    loads the newest version when it resumes), and sends again once it has resumed."""
+    import logging
+
+    from services.engine.client import EngineClient
+
+    service, folder = engine
+    trainer = TorchBackend.from_pretrained(folder)
+    client = EngineClient("http://engine", admin_token="secret", transport=httpx.ASGITransport(app=service.app))
+    publish = EnginePublisher({"cell-a": client})
+    await client.release_memory(None)
+    try:
+        with caplog.at_level(logging.INFO, logger="services.trainer.publish"):
+            assert await publish(7, trainer.hf_state_dict()) == []
+        assert [r.levelno for r in caplog.records] == [logging.INFO]
+        assert "released" in caplog.records[0].getMessage()
+    finally:
+        await client.resume_memory(None)
+    assert await publish(8, trainer.hf_state_dict()) == ["cell-a"]
+    await client.aclose()
+
 def test_distributed_publication_over_gloo(engine, tmp_path):
     """The core (a second process: one gloo rank each) broadcasts; the engine receives."""
     import os
