@@ -54,11 +54,12 @@ def run_bench(
         vocab = engine.vocab_limit - 300  # ordinary tokens only
         batch = torch.randint(0, vocab, (prompts, prompt_tokens), generator=gen)
         asyncio.run(_warm_up(engine, batch.tolist()))  # warm-up of both sides (see above)
-        _hf_throughput(engine.runner.model, batch[:, :64], 4)
+        limit = engine.vocab_limit  # the engine never picks the embedding's padding rows; HF is told the same
+        _hf_throughput(engine.runner.model, batch[:, :64], 4, limit)
         # Both sides `repeats` times, interleaved, medians: a busy machine slows both alike.
         hf_runs, our_runs = [], []
         for _ in range(repeats):
-            hf_runs.append(_hf_throughput(engine.runner.model, batch, new_tokens))
+            hf_runs.append(_hf_throughput(engine.runner.model, batch, new_tokens, limit))
             our_runs.append(asyncio.run(_engine_throughput(engine, batch.tolist(), new_tokens)))
         hf_b1, hf_b8 = (statistics.median(run[i] for run in hf_runs) for i in (0, 1))
         ours_b1, ours_b8 = (statistics.median(run[i] for run in our_runs) for i in (0, 1))
@@ -97,11 +98,14 @@ def run_bench(
     }
 
 
-def _hf_throughput(model, batch: torch.Tensor, new_tokens: int) -> tuple[float, float, list[list[int]]]:
+def _hf_throughput(model, batch: torch.Tensor, new_tokens: int,
+                   vocab_limit: int | None = None) -> tuple[float, float, list[list[int]]]:
     from transformers import GenerationConfig
 
+    size = model.config.vocab_size
+    padding = list(range(vocab_limit, size)) if vocab_limit is not None and vocab_limit < size else None
     config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=0, eos_token_id=None)
+                              pad_token_id=0, eos_token_id=None, suppress_tokens=padding)
 
     def generate(x: torch.Tensor) -> torch.Tensor:
         with torch.inference_mode():
