@@ -258,6 +258,8 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
     inputs = {"base": cfg.model.name, "base_folder": str(base), "tasks": [t.task_id for t in tasks],
               "tasks_digest": solutions.hexdigest(), "steps": ws.steps, "lr": ws.lr, "seed": ws.seed,
               "curriculum": [list(stage) for stage in DEFAULT_CURRICULUM], "max_completion_tokens": cfg.sampling.max_tokens}
+    if ws.flaw_rate:  # only when set, so digests of earlier warm starts stay valid
+        inputs["flaw_rate"] = ws.flaw_rate
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     marker = out.parent / "warmstart.json"
     console.rule("[bold]phase 0: warm start[/] (SFT on scripted demonstrations of the train tasks)")
@@ -274,7 +276,7 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
         marker.unlink(missing_ok=True)  # a crash while training must not leave new weights under an old digest
         started = time.monotonic()
         stats = warm_start(base, out, tasks, steps=ws.steps, lr=ws.lr, seed=ws.seed, tasks_root=root,
-                           max_completion_tokens=cfg.sampling.max_tokens,
+                           max_completion_tokens=cfg.sampling.max_tokens, flaw_rate=ws.flaw_rate,
                            log=lambda msg: console.print(f"  warm start: {msg}", markup=False, highlight=False))
         stats.setdefault("seconds", round(time.monotonic() - started, 1))
         marker.write_text(json.dumps({"inputs": inputs, "inputs_digest": digest, "stats": stats}, indent=2))

@@ -5,7 +5,8 @@ demonstrations of the *train* tasks (held-out tasks are refused), before any RL.
    (services/runner/agent) would do it: turn 1 one ``write_file`` call per file of the
    task's ``solution/`` folder, whose real result text comes from running the agent's
    ``Workspace`` tool in a temporary folder; turn 2 a short final reply with no tool call,
-   which ends the agent's run.
+   which ends the agent's run. Optionally imperfect (``flawed_files``: ``print`` where the
+   solution returns), drawn at ``flaw_rate`` per batch during SFT.
 2. **Exact tokens** (``render_demo``): each turn goes the way a live call goes: the agent's
    ``Request`` -> ``openai_body`` -> the proxy's ``openai_chat.parse`` -> the proxy's
    token-in-token-out planner (``Tito``, over ``HFRenderer``) for the prompt ids, so turn 2's
@@ -31,6 +32,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -80,13 +82,25 @@ def solution_files(task: Task, tasks_root: Path | None = None) -> dict[str, str]
     return files
 
 
-def scripted_turns(task: Task, tasks_root: Path | None = None, *, tools: list[ToolSpec] | None = None
-                   ) -> list[ScriptedTurn]:
-    """The two turns of the scripted solver, with the tool's real result text."""
+_RETURN_LINE = re.compile(r"^(?P<indent>[ \t]*)return (?P<value>.+?)[ \t]*$", re.MULTILINE)
+
+
+def flawed_files(files: dict[str, str]) -> dict[str, str] | None:
+    """The scripted solver's flawed variant of a solution: every ``return VALUE`` line
+    prints the value instead (``print(VALUE)``), a beginner's bug that the hidden tests
+    catch (the function returns ``None``). ``None`` when no file has such a line."""
+    out = {path: _RETURN_LINE.sub(lambda m: f"{m['indent']}print({m['value']})", text) for path, text in files.items()}
+    return out if out != files else None
+
+
+def scripted_turns(task: Task, tasks_root: Path | None = None, *, tools: list[ToolSpec] | None = None,
+                   files: dict[str, str] | None = None) -> list[ScriptedTurn]:
+    """The two turns of the scripted solver, with the tool's real result text. ``files``:
+    what turn 1 writes (default: the task's reference solution)."""
     if task.split != "train":
         raise DemoError(f"task {task.task_id} is {task.split}: the warm start never sees held-out tasks")
     tools = agent_tools() if tools is None else tools
-    files = solution_files(task, tasks_root)
+    files = solution_files(task, tasks_root) if files is None else files
     calls = tuple(ToolCall(f"call_{i}", "write_file", {"path": path, "content": text},
                            json.dumps({"path": path, "content": text}))
                   for i, (path, text) in enumerate(files.items()))
@@ -182,6 +196,16 @@ def build_demos(renderer: Any, tasks: Sequence[Task], tasks_root: Path | None = 
     return [render_demo(renderer, t.task_id, scripted_turns(t, tasks_root)) for t in tasks]
 
 
+def build_flawed_demos(renderer: Any, tasks: Sequence[Task], tasks_root: Path | None = None) -> list[Demo | None]:
+    """Per task (same order as ``tasks``): the demonstration of its flawed solution
+    (``flawed_files``), or ``None`` when the solution has no ``return`` line to get wrong."""
+    out: list[Demo | None] = []
+    for t in tasks:
+        bad = flawed_files(solution_files(t, tasks_root))
+        out.append(None if bad is None else render_demo(renderer, t.task_id, scripted_turns(t, tasks_root, files=bad)))
+    return out
+
+
 # -- 3. SFT -------------------------------------------------------------------------------
 
 def _examples(demos: Sequence[Demo], *, short: bool = False) -> list[tuple[list[int], int]]:
@@ -251,15 +275,20 @@ DEFAULT_CURRICULUM: tuple[tuple[str | int, float], ...] = (
     ("short", 60), (96, 40), (192, 40), (320, 40), ("full", 80))
 
 
-def _stage_examples(examples: Sequence[Example], short: Sequence[Example], form: str | int) -> list[Example]:
+def _stage_examples(examples: Sequence[Any], short: Sequence[Any], form: str | int) -> list[Any]:
+    """A stage's pool: the examples in the stage's prompt form (``None`` entries stay ``None``)."""
     if form == "full":
         return list(examples)
     if form == "short":
         return list(short)
     if isinstance(form, bool) or not isinstance(form, int) or form < 1:
         raise ValueError(f"curriculum stage {form!r}: 'short', 'full' or a prompt length >= 1")
-    out = []
-    for ids, n in examples:
+    out: list[Any] = []
+    for ex in examples:
+        if ex is None:
+            out.append(None)
+            continue
+        ids, n = ex
         cut = max(0, n - form)
         out.append((ids[cut:], n - cut))
     return out
@@ -282,19 +311,29 @@ def stage_steps(steps: int, curriculum: Sequence[tuple[str | int, float]]) -> li
 def train_sft(model: Any, examples: list[Example], *, steps: int, lr: float, seed: int,
               batch_size: int, pad_id: int = 0, log: Callable[[str], None] = print, log_every: int = 20,
               warmup: int = 10, hook: Callable[[int, Any], None] | None = None,
-              stages: Sequence[tuple[str, list[Example], int]] | None = None) -> list[float]:
+              stages: Sequence[tuple[str, list[Example], int]] | None = None,
+              flawed: Sequence[Sequence[Example | None]] | None = None, flaw_rate: float = 0.0) -> list[float]:
     """AdamW on the completion loss; linear warm-up then cosine decay to 10 %. Returns the losses.
 
     ``stages``: a curriculum, ``(name, examples, steps)`` in order (their steps add up to
     ``steps``); without it every step draws from ``examples``. Each pool is drawn in a
-    shuffled order, a fresh shuffle when it runs out."""
+    shuffled order, a fresh shuffle when it runs out. ``flawed``: per stage, the flawed
+    variant of each example of its pool (same order; ``None`` where there is none); each
+    draw takes the flawed variant with probability ``flaw_rate`` (its own seeded stream, so
+    the order of draws does not depend on it)."""
     import torch
 
     plan = list(stages) if stages else [("full", examples, steps)]
     if sum(n for _, _, n in plan) != steps:
         raise ValueError(f"the curriculum's stages add up to {sum(n for _, _, n in plan)} steps, not {steps}")
+    if not 0.0 <= flaw_rate < 1.0:
+        raise ValueError(f"flaw_rate must be in [0, 1), not {flaw_rate}")
+    variants = list(flawed) if flawed is not None else [[None] * len(pool) for _, pool, _ in plan]
+    if len(variants) != len(plan) or any(len(v) != len(pool) for v, (_, pool, _) in zip(variants, plan)):
+        raise ValueError("flawed: one list per stage, as long as the stage's pool")
     torch.manual_seed(seed)
     rng = random.Random(seed)
+    flaw_rng = random.Random(f"flaw-{seed}")
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
 
@@ -308,7 +347,7 @@ def train_sft(model: Any, examples: list[Example], *, steps: int, lr: float, see
     losses: list[float] = []
     started = time.monotonic()
     step = 0
-    for name, pool, n_steps in plan:
+    for (name, pool, n_steps), alts in zip(plan, variants):
         if n_steps and not pool:
             raise ValueError(f"curriculum stage {name!r} has no examples")
         order: list[int] = []
@@ -318,7 +357,8 @@ def train_sft(model: Any, examples: list[Example], *, steps: int, lr: float, see
                 fresh = list(range(len(pool)))
                 rng.shuffle(fresh)
                 order += fresh
-            batch = [pool[i] for i in order[:size]]
+            batch = [alts[i] if alts[i] is not None and flaw_rate > 0 and flaw_rng.random() < flaw_rate else pool[i]
+                     for i in order[:size]]
             del order[:size]
             loss, _ = completion_loss(model, batch, pad_id)
             opt.zero_grad(set_to_none=True)
@@ -361,7 +401,7 @@ def save_model(model: Any, base_dir: Path, out_dir: Path, meta: dict[str, Any]) 
 def warm_start(base_dir: Path, out_dir: Path, tasks: list[Task], *, steps: int, lr: float, seed: int,
                batch_size: int = 8, curriculum: Sequence[tuple[str | int, float]] = DEFAULT_CURRICULUM,
                tasks_root: Path | None = None, max_completion_tokens: int | None = None,
-               log: Callable[[str], None] = print) -> dict[str, Any]:
+               flaw_rate: float = 0.0, log: Callable[[str], None] = print) -> dict[str, Any]:
     """SFT of the model in ``base_dir`` on the scripted demonstrations of ``tasks`` (train
     split only), saved as an HF folder in ``out_dir``. Demonstrations whose completion is
     longer than ``max_completion_tokens`` (the run's sampling budget) are left out.
@@ -372,7 +412,12 @@ def warm_start(base_dir: Path, out_dir: Path, tasks: list[Task], *, steps: int, 
     prompt ("full"). Behind ~520 tokens of system prompt and tools a 2-layer model's
     attention does not find the task's values from scratch in a few hundred steps; behind
     30 tokens it learns to copy them within ~60 steps, and each longer stage carries the
-    copy a little further. ``curriculum=(("full", 1.0),)`` trains on the exact prompts only."""
+    copy a little further. ``curriculum=(("full", 1.0),)`` trains on the exact prompts only.
+
+    ``flaw_rate``: the scripted solver is imperfect: each time a demonstration is drawn, it
+    is the flawed one (``flawed_files``: ``print`` where the solution returns) with this
+    probability, so the warm-started model prints instead of returning about that often,
+    whatever the task (what RL then has to correct from the tests' rewards alone)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -385,18 +430,33 @@ def warm_start(base_dir: Path, out_dir: Path, tasks: list[Task], *, steps: int, 
         raise DemoError(f"the warm start never sees held-out tasks: {held}")
     renderer = HFRenderer(base_dir)
     demos = build_demos(renderer, tasks, tasks_root)
+    bad_demos = build_flawed_demos(renderer, tasks, tasks_root) if flaw_rate > 0 else [None] * len(demos)
     if max_completion_tokens is not None:
-        long = [d.task_id for d in demos if max(len(t.completion_ids) for t in d.turns) > max_completion_tokens]
+        def too_long(d: Demo | None) -> bool:
+            return d is not None and max(len(t.completion_ids) for t in d.turns) > max_completion_tokens
+        long = [d.task_id for d, bad in zip(demos, bad_demos) if too_long(d) or too_long(bad)]
         if long:
             log(f"left out {len(long)} demonstrations over {max_completion_tokens} completion tokens: {long}")
-        demos = [d for d in demos if d.task_id not in long]
+        keep = [i for i, d in enumerate(demos) if d.task_id not in long]
+        demos, bad_demos = [demos[i] for i in keep], [bad_demos[i] for i in keep]
     if not demos:
         raise DemoError("no demonstrations to train on")
     examples = _examples(demos)
     short_examples = _examples(demos, short=True)
+    # the flawed variant of each example, in the same order (None for a demo without one)
+    bad_examples: list[Example | None] = []
+    bad_short: list[Example | None] = []
+    for d, bad in zip(demos, bad_demos):
+        bad_examples += _examples([bad]) if bad is not None else [None] * len(d.turns)
+        bad_short += _examples([bad], short=True) if bad is not None else [None] * len(d.turns)
     counts = stage_steps(steps, curriculum)
     stages = [(str(form), _stage_examples(examples, short_examples, form), n)
               for (form, _), n in zip(curriculum, counts)]
+    flawed = [_stage_examples(bad_examples, bad_short, form) for form, _ in curriculum]
+    n_flawed = sum(bad is not None for bad in bad_demos)
+    if flaw_rate > 0:
+        log(f"flawed demonstrations: {n_flawed} of {len(demos)} tasks have one (print instead of return), "
+            f"drawn with probability {flaw_rate:g}")
     n_tokens = sum(len(ids) - n for ids, n in examples)
     plan = ", ".join(f"{name} {n}" for name, _, n in stages if n)
     log(f"{len(demos)} demonstrations, {len(examples)} turns, {n_tokens} completion tokens; "
@@ -406,14 +466,14 @@ def warm_start(base_dir: Path, out_dir: Path, tasks: list[Task], *, steps: int, 
                                                  attn_implementation="sdpa")  # the packed boolean mask needs SDPA
     pad_id = renderer.tokenizer.pad_token_id if renderer.tokenizer.pad_token_id is not None else 0
     losses = train_sft(model, examples, steps=steps, lr=lr, seed=seed, batch_size=min(batch_size, len(examples)),
-                       pad_id=pad_id, log=log, stages=stages)
+                       pad_id=pad_id, log=log, stages=stages, flawed=flawed, flaw_rate=flaw_rate)
     with torch.no_grad():  # the exact prompts' loss, per completion token
         parts = [completion_loss(model, examples[i: i + 8], pad_id) for i in range(0, len(examples), 8)]
         final = float(sum(loss * n for loss, n in parts) / sum(n for _, n in parts))
     k = max(1, min(10, len(losses) // 3))
     stats = {"demos": len(demos), "turns": len(examples), "tokens": n_tokens, "steps": steps, "lr": lr,
              "batch_size": min(batch_size, len(examples)), "seed": seed,
-             "curriculum": [[name, n] for name, _, n in stages],
+             "curriculum": [[name, n] for name, _, n in stages], "flaw_rate": flaw_rate, "flawed_demos": n_flawed,
              "loss_first": round(sum(losses[:k]) / k, 4), "loss_last": round(sum(losses[-k:]) / k, 4),
              "loss_final": round(final, 4), "tasks": [d.task_id for d in demos], "threads": threads}
     save_model(model, base_dir, out_dir, {k2: v for k2, v in stats.items() if k2 != "tasks"})

@@ -112,6 +112,9 @@ class WarmStartSection(_Section):
     steps: int = Field(default=260, ge=1)
     lr: float = Field(default=3e-3, gt=0)
     seed: int = 0
+    # share of drawn demonstrations that are the scripted solver's flawed variant (print
+    # instead of return): the warm-started model then makes that mistake about this often
+    flaw_rate: float = Field(default=0.0, ge=0, lt=1)
 
 
 class EvalSection(_Section):

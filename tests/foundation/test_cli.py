@@ -130,7 +130,7 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     # phase 0 (a 2-step warm start on the train-split scale tasks), held-out eval before and after
     res = gyre("up", "run.steps=1", "tasks.per_step=1", "group_size=2", "cells.count=1", "run.id=e2e",
                f"run.dir={runs}", "tasks.include=[starter_scale*]", "warmstart.enabled=true", "warmstart.steps=2",
-               "eval.heldout=true", "--json-summary", str(summary), timeout=600)
+               "warmstart.flaw_rate=0.5", "eval.heldout=true", "--json-summary", str(summary), timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     figures = json.loads(summary.read_text())
     assert figures == json.loads((runs / "e2e" / "summary.json").read_text())  # always written beside the report
@@ -142,6 +142,8 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     assert report["eval_rollouts"] == 4 and set(report["heldout"]) == {"before", "after"}  # 2 held-out tasks x 2
     assert report["warm_start"]["steps"] == 2 and report["warm_start"]["demos"] == 6
     assert (runs / "e2e" / "warmstart" / "model" / "config.json").exists()
+    marker = json.loads((runs / "e2e" / "warmstart" / "warmstart.json").read_text())
+    assert marker["inputs"]["flaw_rate"] == 0.5 and marker["stats"]["flawed_demos"] == 6  # in the reuse digest
     assert (runs / "e2e" / "reward.png").exists() and (runs / "e2e" / "report.html").exists()
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

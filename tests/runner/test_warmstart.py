@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gyre.warmstart import (
-    DEFAULT_CURRICULUM, DemoError, _stage_examples, build_demos, completion_loss, greedy_eval, render_demo,
-    scripted_turns, stage_steps, train_sft, warm_start,
+    DEFAULT_CURRICULUM, DemoError, _stage_examples, build_demos, build_flawed_demos, completion_loss, flawed_files,
+    grade, greedy_eval, render_demo, scripted_turns, stage_steps, train_sft, warm_start,
 )
 from services.engine.model_store import default_cache_dir, ensure_tiny_qwen
 from services.proxy.adapters.template import HFRenderer
@@ -188,3 +188,45 @@ def test_train_sft_refuses_stages_that_do_not_add_up(base_dir):
     with pytest.raises(ValueError, match="no examples"):
         train_sft(model, examples, steps=1, lr=1e-3, seed=0, batch_size=1, log=lambda _: None,
                   stages=[("96", [], 1)])
+
+
+def test_the_flawed_solution_prints_instead_of_returning_and_the_tests_catch_it(tmp_path):
+    assert flawed_files({"a.py": "def f(x):\n    if x:\n        return x + 3  \n    return 0\n"}) == \
+        {"a.py": "def f(x):\n    if x:\n        print(x + 3)\n    print(0)\n"}
+    assert flawed_files({"a.py": "X = 1\n# return nothing\n"}) is None  # nothing to get wrong
+    task = TRAIN[0]
+    bad = flawed_files({"solution.py": (task.files_dir.parent / "solution" / "solution.py").read_text()})
+    (tmp_path / "solution.py").write_text(bad["solution.py"])
+    score = grade(tmp_path, task)
+    assert 0.0 < score < 1.0  # the function is defined, nothing it returns is right
+
+
+def test_flawed_demonstrations_render_and_are_drawn_at_the_flaw_rate(base_dir, hf_renderer):
+    from transformers import AutoModelForCausalLM
+
+    [good] = build_demos(hf_renderer, TRAIN[:1])
+    [bad] = build_flawed_demos(hf_renderer, TRAIN[:1])
+    assert "print(" in bad.turns[0].completion_text and "return" not in bad.turns[0].completion_text
+    assert bad.turns[0].prompt_ids == good.turns[0].prompt_ids  # same task, same prompt; turn 2 sees the bad write
+    assert bad.turns[1].completion_ids == good.turns[1].completion_ids
+
+    seen: list[int] = []  # the last token of each drawn example: 3 the good variant, 4 the flawed one
+    model = AutoModelForCausalLM.from_pretrained(str(base_dir), dtype=torch.float32, attn_implementation="sdpa")
+    pool, flawed = [([1, 2, 3], 2)], [([1, 2, 4], 2)]
+    import gyre.warmstart as ws
+
+    real = ws.completion_loss
+
+    def spy(m, batch, pad_id=0):
+        seen.extend(ids[-1] for ids, _ in batch)
+        return real(m, batch, pad_id)
+
+    ws.completion_loss = spy
+    try:
+        train_sft(model, pool, steps=40, lr=1e-6, seed=0, batch_size=1, log=lambda _: None,
+                  stages=[("full", pool, 40)], flawed=[flawed], flaw_rate=0.6)
+        with pytest.raises(ValueError, match="flaw_rate"):
+            train_sft(model, pool, steps=1, lr=1e-6, seed=0, batch_size=1, log=lambda _: None, flaw_rate=1.0)
+    finally:
+        ws.completion_loss = real
+    assert 0.4 < seen.count(4) / len(seen) < 0.8 and set(seen) == {3, 4}
