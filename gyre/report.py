@@ -61,7 +61,7 @@ class RunFacts:
         elif isinstance(ev, WarmStartCompleted):
             self.warm_start = {"tasks": len(ev.tasks), "demos": ev.demos, "steps": ev.steps,
                                "loss_first": ev.loss_first, "loss_last": ev.loss_last, "seconds": ev.seconds,
-                               "reused": ev.reused}
+                               "reused": ev.reused, "flaw_rate": ev.flaw_rate}
         elif isinstance(ev, (RolloutFinished, RolloutTimedOut)):
             self.ended[ev.rollout_id] = "finished" if isinstance(ev, RolloutFinished) else "timed_out"
             self.exit_status[ev.rollout_id] = ev.exit_status

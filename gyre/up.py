@@ -286,7 +286,8 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
     asyncio.run(_publish(settings, WarmStartCompleted(
         run_id=settings.run_id, base_model=cfg.model.name, model_dir=str(out), tasks=[t.task_id for t in tasks],
         demos=int(stats.get("demos", 0)), steps=int(stats.get("steps", 0)), loss_first=stats.get("loss_first"),
-        loss_last=stats.get("loss_last"), seconds=float(stats.get("seconds", 0.0)), reused=reused)))
+        loss_last=stats.get("loss_last"), seconds=float(stats.get("seconds", 0.0)), reused=reused,
+        flaw_rate=ws.flaw_rate)))
     return cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": str(out.resolve())})})
 
 

@@ -141,6 +141,7 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     assert report["rollouts"] == 2 and report["scored"] == 2 and report["calls"] >= 2
     assert report["eval_rollouts"] == 4 and set(report["heldout"]) == {"before", "after"}  # 2 held-out tasks x 2
     assert report["warm_start"]["steps"] == 2 and report["warm_start"]["demos"] == 6
+    assert report["warm_start"]["flaw_rate"] == 0.5  # recorded in WarmStartCompleted
     assert (runs / "e2e" / "warmstart" / "model" / "config.json").exists()
     marker = json.loads((runs / "e2e" / "warmstart" / "warmstart.json").read_text())
     assert marker["inputs"]["flaw_rate"] == 0.5 and marker["stats"]["flawed_demos"] == 6  # in the reuse digest

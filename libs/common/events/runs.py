@@ -40,6 +40,7 @@ class WarmStartCompleted(Event):
     loss_last: float | None = None
     seconds: float = Field(default=0.0, ge=0)
     reused: bool = False  # an earlier phase's output with the same inputs was kept
+    flaw_rate: float = Field(default=0.0, ge=0, lt=1)  # share of drawn demonstrations that were the flawed variant
 
 
 @register
