@@ -282,7 +282,8 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
         marker.write_text(json.dumps({"inputs": inputs, "inputs_digest": digest, "stats": stats}, indent=2))
     console.print(f"  warm start {'reused' if reused else 'done'}: {len(tasks)} train tasks, "
                   f"{stats.get('demos', '?')} demonstrations, {stats.get('steps', '?')} steps, "
-                  f"loss {stats.get('loss_first', '?')} -> {stats.get('loss_last', '?')}, model {out}")
+                  f"loss {stats.get('loss_first', '?')} -> {stats.get('loss_last', '?')}"
+                  f"{f', flawed demonstrations drawn at {ws.flaw_rate:g}' if ws.flaw_rate else ''}, model {out}")
     asyncio.run(_publish(settings, WarmStartCompleted(
         run_id=settings.run_id, base_model=cfg.model.name, model_dir=str(out), tasks=[t.task_id for t in tasks],
         demos=int(stats.get("demos", 0)), steps=int(stats.get("steps", 0)), loss_first=stats.get("loss_first"),
