@@ -185,10 +185,13 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
         if cfg.harness.name not in PRESETS:
             raise ValueError(f"unknown harness {cfg.harness.name!r}")
         harness = greedy = PRESETS[cfg.harness.name]
-        if cfg.harness.name == "gyre_agent":  # the run config's API and sampling reach the reference harness
-            harness = gyre_agent(cfg.harness.api, "--temperature", str(cfg.sampling.temperature),
-                                 "--max-tokens", str(cfg.sampling.max_tokens))
-            greedy = gyre_agent(cfg.harness.api, "--temperature", "0", "--max-tokens", str(cfg.sampling.max_tokens))
+        if cfg.harness.name in ("gyre_agent", "gyre_agent_anthropic"):
+            # the run config's sampling reaches the reference harness (and its API, unless the preset names one)
+            api = "anthropic" if cfg.harness.name == "gyre_agent_anthropic" else cfg.harness.api
+            top_p = () if cfg.sampling.top_p == 1.0 else ("--top-p", str(cfg.sampling.top_p))
+            harness = gyre_agent(api, "--temperature", str(cfg.sampling.temperature),
+                                 "--max-tokens", str(cfg.sampling.max_tokens), *top_p)
+            greedy = gyre_agent(api, "--temperature", "0", "--max-tokens", str(cfg.sampling.max_tokens))
         split = None if cfg.tasks.split == "all" else cfg.tasks.split
         tasks = select_tasks(cfg, split)
         if not tasks:

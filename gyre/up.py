@@ -77,7 +77,12 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
               "GYRE_SCHEDULER_POLICY": cfg.cells.policy, "GYRE_SCHEDULER_HOLD_S": str(cfg.cells.hold_s),
               "GYRE_SCHEDULER_MIN_DWELL_S": str(cfg.cells.min_dwell_s),
               "GYRE_SCHEDULER_SMOOTHING_S": str(cfg.cells.smoothing_s),
-              "GYRE_SCHEDULER_TICK_S": str(cfg.cells.tick_s)}
+              "GYRE_SCHEDULER_TICK_S": str(cfg.cells.tick_s),
+              "GYRE_TRAJECTORY_BUDGET": str(cfg.loss.sample_budget),
+              "GYRE_TRAJECTORY_MICRO_STEP_TOKENS": str(cfg.trainer.micro_step_tokens),
+              "GYRE_EVALUATOR_WORKERS": str(cfg.evaluator.workers),
+              **({"GYRE_EVALUATOR_JUDGE__BASE_URL": cfg.evaluator.judge_url,
+                  "GYRE_EVALUATOR_JUDGE__MODEL": cfg.evaluator.judge_model} if cfg.evaluator.judge_url else {})}
     plan = [Launch("projector", "projector", free_port(), common, 0),
             Launch("proxy", "proxy", proxy_port, common, 0),
             Launch("trajectory", "trajectory", free_port(), common, 0),

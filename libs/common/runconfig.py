@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Section(BaseModel):
@@ -84,10 +84,16 @@ class CellsSection(_Section):
 
 
 class EvaluatorSection(_Section):
-    workers: int = Field(default=2, ge=1)
-    judge_url: str | None = None
+    workers: int = Field(default=2, ge=1, le=64)
+    judge_url: str | None = None  # OpenAI-compatible base URL of a judge model; needs judge_model
     judge_model: str | None = None
     scorers: dict[str, float] = {}  # gyre.scorers plugin -> weight in the score, e.g. {has_readme: 0.25}
+
+    @model_validator(mode="after")
+    def _judge_pair(self) -> "EvaluatorSection":
+        if bool(self.judge_url) != bool(self.judge_model):
+            raise ValueError("judge_url and judge_model go together: set both or neither")
+        return self
 
 
 class StorageSection(_Section):

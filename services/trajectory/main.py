@@ -1,13 +1,16 @@
 """Wiring for ``gyre serve trajectory``: settings and live handles in, the service running.
 
-The lead registers ``SPEC`` in ``gyre/services.py``. Options (from the run config or
-the command line): ``budget``, ``seed``, ``micro_step_tokens``, ``max_piece_tokens``,
-``group_size``, ``train_undelivered``, ``advantage_scale`` (``std`` | ``none``).
+The lead registers ``SPEC`` in ``gyre/services.py``. Options (from the command line, or
+from ``GYRE_TRAJECTORY_<OPTION>`` variables, which is how ``gyre up`` passes the run
+config's ``loss.sample_budget`` and ``trainer.micro_step_tokens``): ``budget``, ``seed``,
+``micro_step_tokens``, ``max_piece_tokens``, ``group_size``, ``train_undelivered``,
+``advantage_scale`` (``std`` | ``none``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from libs.common.service import ServiceContext, ServiceSpec
@@ -54,9 +57,20 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
+OPTIONS = ("budget", "seed", "micro_step_tokens", "max_piece_tokens", "group_size", "train_undelivered",
+           "advantage_scale")
+
+
+def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """``options`` plus each ``GYRE_TRAJECTORY_<OPTION>`` that is set and not given already."""
+    extra = {name: environ[f"GYRE_TRAJECTORY_{name.upper()}"] for name in OPTIONS
+             if environ.get(f"GYRE_TRAJECTORY_{name.upper()}") and name not in options}
+    return {**options, **extra}
+
+
 async def trajectory_main(ctx: ServiceContext) -> None:
     # TODO(tokenizer): pass the policy tokenizer's encode once libs/common loads it.
-    config = ledger_config(ctx.runtime.settings.run_id, ctx.options)
+    config = ledger_config(ctx.runtime.settings.run_id, env_options(ctx.options, os.environ))
     service = create_service(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs)
     ctx.health.ok(run_id=config.run_id, budget=config.budget)
     await service.run(ctx.stop)

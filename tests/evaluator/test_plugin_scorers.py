@@ -91,3 +91,20 @@ def test_scorers_come_from_the_run_config_to_the_evaluator_settings(monkeypatch)
     monkeypatch.setenv("GYRE_EVALUATOR_SCORERS", json.dumps({"has_readme": -1}))
     with pytest.raises(ValueError, match="scorer weights must be finite and >= 0"):
         EvaluatorSettings()
+
+
+def test_workers_and_judge_come_from_the_run_config_to_the_evaluator_settings(monkeypatch):
+    from gyre.up import plan_stack
+    from libs.common.runconfig import RunConfigError, load_run_config
+
+    cfg = load_run_config(None, ["evaluator.workers=5", "evaluator.judge_url=http://127.0.0.1:9/v1",
+                                 "evaluator.judge_model=judge", "cells.count=0"])
+    (evaluator,) = [launch for launch in plan_stack(cfg, "tok") if launch.service == "evaluator"]
+    for key, value in evaluator.env.items():
+        if key.startswith("GYRE_EVALUATOR_"):
+            monkeypatch.setenv(key, value)
+    settings = EvaluatorSettings()
+    assert settings.workers == 5
+    assert settings.judge is not None and (settings.judge.base_url, settings.judge.model) == ("http://127.0.0.1:9/v1", "judge")
+    with pytest.raises(RunConfigError, match="judge_url and judge_model go together"):
+        load_run_config(None, ["evaluator.judge_url=http://127.0.0.1:9/v1"])

@@ -39,6 +39,9 @@ def test_anthropic_body_puts_the_summary_text_after_the_tool_result() -> None:
 
 def test_openai_body_and_unparseable_arguments() -> None:
     body = openai_body("m", Request("sys", HISTORY, [], {}), 64, 1.0)
+    assert "top_p" not in body  # not sent unless set: the server's default
+    assert openai_body("m", Request("sys", HISTORY, [], {}), 64, 1.0, 0.9)["top_p"] == 0.9
+    assert anthropic_body("m", Request("sys", HISTORY, [], {}), 64, 1.0, 0.9)["top_p"] == 0.9
     assert [m["role"] for m in body["messages"]] == ["system", "user", "assistant", "tool", "assistant", "tool"]
     assert json.loads(body["messages"][2]["tool_calls"][0]["function"]["arguments"]) == {"command": "ls"}
     reply = openai_reply({"choices": [{"message": {"content": None, "tool_calls": [

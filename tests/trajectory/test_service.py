@@ -221,3 +221,16 @@ async def test_the_same_flow_on_a_real_jetstream_and_object_store(js_bus):
     await _group_log(memory_bus, memory_blobs)
     await _run_until(memory_bus, memory_blobs, lambda: _has(memory_bus, MicroStepQueued))
     assert [e.event_id for e in await _trees(memory_bus)] == [e.event_id for e in events]
+
+
+def test_the_run_configs_budget_and_micro_step_size_reach_the_ledger_through_gyre_up():
+    from gyre.up import plan_stack
+    from libs.common.runconfig import load_run_config
+    from services.trajectory.main import env_options, ledger_config
+
+    cfg = load_run_config(None, ["loss.sample_budget=3", "trainer.micro_step_tokens=4096", "cells.count=0"])
+    (launch,) = [x for x in plan_stack(cfg, "tok") if x.service == "trajectory"]
+    config = ledger_config("r", env_options({}, launch.env))
+    assert (config.budget, config.micro_step_tokens) == (3, 4096)
+    # an option given on the command line wins over the environment
+    assert ledger_config("r", env_options({"budget": 2}, launch.env)).budget == 2

@@ -37,6 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-depth", type=int, default=1, help="sub-agent nesting (0: no Agent tool)")
     p.add_argument("--max-tokens", type=int, default=512, help="output tokens per call")
     p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: not sent, the server's 1.0)")
     p.add_argument("--run-timeout", type=float, default=30.0, help="default seconds for one command")
     p.add_argument("--http-timeout", type=float, default=300.0)
     return p
@@ -63,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     config = AgentConfig(max_turns=args.max_turns, max_sub_turns=args.max_sub_turns, max_calls=args.max_calls,
                          max_retries=args.max_retries, context_budget=args.context_budget, max_depth=args.max_depth)
     api = HttpModelApi(args.api, base, key, args.model, max_tokens=args.max_tokens, temperature=args.temperature,
-                       timeout_s=args.http_timeout)
+                       top_p=args.top_p, timeout_s=args.http_timeout)
     workspace = Workspace(args.workspace, ToolLimits(run_timeout_s=args.run_timeout))
     try:
         _, _, status = run_agent(api, workspace, prompt, config)

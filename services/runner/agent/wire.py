@@ -55,7 +55,8 @@ def _args(raw: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def openai_body(model: str, req: Request, max_tokens: int, temperature: float) -> dict[str, Any]:
+def openai_body(model: str, req: Request, max_tokens: int, temperature: float,
+                top_p: float | None = None) -> dict[str, Any]:
     msgs: list[dict[str, Any]] = [{"role": "system", "content": req.system}]
     for m in req.messages:
         if m.role == "tool":
@@ -68,7 +69,8 @@ def openai_body(model: str, req: Request, max_tokens: int, temperature: float) -
             msgs.append({"role": m.role, "content": m.text})
     tools = [{"type": "function", "function": {"name": t.name, "description": t.description,
                                                "parameters": t.parameters}} for t in req.tools]
-    return {"model": model, "messages": msgs, "tools": tools, "max_tokens": max_tokens, "temperature": temperature}
+    body = {"model": model, "messages": msgs, "tools": tools, "max_tokens": max_tokens, "temperature": temperature}
+    return body if top_p is None else {**body, "top_p": top_p}
 
 
 def openai_reply(data: dict[str, Any]) -> Reply:
@@ -83,7 +85,8 @@ def openai_reply(data: dict[str, Any]) -> Reply:
                  int(usage.get("completion_tokens") or 0), choice.get("finish_reason"))
 
 
-def anthropic_body(model: str, req: Request, max_tokens: int, temperature: float) -> dict[str, Any]:
+def anthropic_body(model: str, req: Request, max_tokens: int, temperature: float,
+                   top_p: float | None = None) -> dict[str, Any]:
     msgs: list[dict[str, Any]] = []
     for m in req.messages:
         if m.role == "assistant":
@@ -99,8 +102,9 @@ def anthropic_body(model: str, req: Request, max_tokens: int, temperature: float
         else:
             msgs.append({"role": "user", "content": [block]})
     tools = [{"name": t.name, "description": t.description, "input_schema": t.parameters} for t in req.tools]
-    return {"model": model, "system": req.system, "messages": msgs, "tools": tools, "max_tokens": max_tokens,
+    body = {"model": model, "system": req.system, "messages": msgs, "tools": tools, "max_tokens": max_tokens,
             "temperature": temperature}
+    return body if top_p is None else {**body, "top_p": top_p}
 
 
 def anthropic_reply(data: dict[str, Any]) -> Reply:
@@ -121,11 +125,12 @@ class HttpModelApi:
     """One wire API over httpx, with transport retries."""
 
     def __init__(self, api: str, base_url: str, api_key: str, model: str, *, max_tokens: int = 512,
-                 temperature: float = 1.0, timeout_s: float = 300.0, transport_retries: int = 3,
-                 backoff_s: float = 0.5) -> None:
+                 temperature: float = 1.0, top_p: float | None = None, timeout_s: float = 300.0,
+                 transport_retries: int = 3, backoff_s: float = 0.5) -> None:
         if api not in ("openai", "anthropic"):
             raise ValueError(f"api must be openai or anthropic, not {api!r}")
         self.api, self.model, self.max_tokens, self.temperature = api, model, max_tokens, temperature
+        self.top_p = top_p  # None: not sent (the server's default, 1.0)
         self.transport_retries, self.backoff_s = transport_retries, backoff_s
         auth = {"authorization": f"Bearer {api_key}"} if api == "openai" else \
             {"x-api-key": api_key, "anthropic-version": "2023-06-01"}
@@ -136,7 +141,7 @@ class HttpModelApi:
 
     def complete(self, request: Request) -> Reply:
         build = openai_body if self.api == "openai" else anthropic_body
-        body = build(self.model, request, self.max_tokens, self.temperature)
+        body = build(self.model, request, self.max_tokens, self.temperature, self.top_p)
         for attempt in range(self.transport_retries + 1):
             try:
                 resp = self.client.post(self.path, json=body, headers=request.headers)
