@@ -40,7 +40,8 @@ def _logging(settings: GyreSettings) -> None:
 def up(
     overrides: Annotated[Optional[list[str]], typer.Argument(help="run-config overrides: key.path=value")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="run config YAML")] = None,
-    run_dir: RunDir = None,
+    run_dir: Annotated[Optional[Path], typer.Option(
+        "--run-dir", help="the run's folder (default: <run.dir>/<run.id>, e.g. runs/demo)")] = None,
     run_id: Annotated[Optional[str], typer.Option(help="run id (run.id)")] = None,
     check: Annotated[bool, typer.Option("--check", help="start the stack, exit 0 once every service is healthy")] = False,
     duration: Annotated[float, typer.Option(help="stop after this many seconds (0 = when the steps are done)")] = 0.0,
@@ -226,12 +227,18 @@ def replay(
     run_id: Annotated[Optional[str], typer.Option("--run", help="only this run's events")] = None,
     trees: Annotated[bool, typer.Option("--trees", help="rebuild the run's trees and samples instead; compare")] = False,
     step: Annotated[Optional[int], typer.Option("--step", help="recompute training step N from the checkpoint before it")] = None,
-    run_dir: RunDir = None,
+    run_dir: Annotated[Optional[Path], typer.Option(
+        "--run-dir", help="--trees/--step without GYRE_NATS_URL: the finished run's folder, whose event store "
+                          "is reopened [GYRE_RUN_DIR; default runs/<run>]")] = None,
 ) -> None:
     """Rebuild the read models (or, with --trees, the trajectory trees and samples) from
     the log alone; prints digests / the comparison as JSON."""
+    import os
+
     from gyre.events_cmd import replay as do_replay
 
+    if (step is not None or trees) and run_dir is None and run_id and not os.environ.get("GYRE_RUN_DIR"):
+        run_dir = Path("runs") / run_id  # where `gyre up` leaves a run
     if step is not None:
         from gyre.events_cmd import replay_training_step
 
@@ -240,10 +247,9 @@ def replay(
         typer.echo(json.dumps(result))
         raise typer.Exit(0 if result.get("match") else 3)
     if trees:
-        from gyre.events_cmd import _require_nats, replay_trees
+        from gyre.events_cmd import replay_trees_of
 
-        settings = _settings(run_id=run_id)
-        result = asyncio.run(replay_trees(_require_nats(settings), settings.run_id))
+        result = asyncio.run(replay_trees_of(_settings(run_id=run_id, run_dir=run_dir)))
         typer.echo(json.dumps(result))
         raise typer.Exit(0 if result["identical"] else 3)
 

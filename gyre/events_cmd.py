@@ -169,6 +169,23 @@ async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
             "identical": sorted(map(repr, recorded)) == sorted(map(repr, replayed))}
 
 
+async def replay_trees_of(settings: GyreSettings) -> dict[str, Any]:
+    """``replay_trees`` on ``GYRE_NATS_URL``, or, without one, on a finished embedded run's
+    store (``<run dir>/nats``, reopened for the call)."""
+    from libs.common.natsserver import EmbeddedNats
+
+    if settings.nats_url:
+        return await replay_trees(settings.nats_url, settings.run_id)
+    if not settings.nats_store_dir.is_dir():
+        raise NatsNotConfigured(f"GYRE_NATS_URL is not set and {settings.nats_store_dir} holds no event store: "
+                                "pass --run-dir of a finished run or set GYRE_NATS_URL")
+    nats = EmbeddedNats(settings.nats_store_dir).start()
+    try:
+        return await replay_trees(nats.url, settings.run_id)
+    finally:
+        nats.stop()
+
+
 async def replay_training_step(settings: GyreSettings, step: int) -> dict[str, Any]:
     """Rebuild step ``step``'s micro-steps from the log and recompute its loss from the
     checkpoint before it (what the core trainer recorded in ``StepApplied``)."""

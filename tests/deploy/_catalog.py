@@ -25,18 +25,15 @@ CONTAINER_PORT = 8080  # every Gyre container serves /health and /metrics here
 
 # Services the deployment starts whose `gyre serve` name is not registered yet (`gyre serve
 # --list`); each leaves this list when its issue lands.
-PENDING_SERVICES = {
-    "trainer": "issue 6: the core cell's trainer",
-}
+PENDING_SERVICES: dict[str, str] = {}  # none today: every service the files start is registered
 
 # What a service does not do that the others do (so the tests expect it).
 WITHOUT_BUS = {"engine"}  # the embedded engine serves SGLang's API and never opens NATS
-WITHOUT_METRICS = {"engine"}  # it answers /health but has no /metrics yet (reported to the lead)
+WITHOUT_METRICS: set[str] = set()  # every service serves /metrics (the engine on its SGLang port)
 
-# Variables the deployment sets for those pending services, proposed names (docs/deploy.md,
-# "Settings the pending services are expected to read").
+# Variables the deployment sets that no code reads yet, proposed names (docs/deploy.md,
+# "Settings": the PP/CP/EP sizes).
 PENDING_ENV = {
-    "GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE": "trainer: megatron tensor-parallel size",
     "GYRE_TRAINER_PIPELINE_MODEL_PARALLEL_SIZE": "trainer: megatron pipeline-parallel size",
     "GYRE_TRAINER_CONTEXT_PARALLEL_SIZE": "trainer: megatron context-parallel size",
     "GYRE_TRAINER_EXPERT_MODEL_PARALLEL_SIZE": "trainer: megatron expert-parallel size",

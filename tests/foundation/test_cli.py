@@ -142,6 +142,10 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     assert report["eval_rollouts"] == 4 and set(report["heldout"]) == {"before", "after"}  # 2 held-out tasks x 2
     assert report["warm_start"]["steps"] == 2 and report["warm_start"]["demos"] == 6
     assert report["warm_start"]["flaw_rate"] == 0.5  # recorded in WarmStartCompleted
+    # the finished run's trees replay from its own store, reopened (no NATS URL)
+    res = gyre("replay", "--trees", "--run", "e2e", "--run-dir", str(runs / "e2e"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1])["identical"] is True
     assert (runs / "e2e" / "warmstart" / "model" / "config.json").exists()
     marker = json.loads((runs / "e2e" / "warmstart" / "warmstart.json").read_text())
     assert marker["inputs"]["flaw_rate"] == 0.5 and marker["stats"]["flawed_demos"] == 6  # in the reuse digest
