@@ -130,7 +130,8 @@ async def _record_run_started(settings: GyreSettings, cfg: RunConfig) -> None:
 def _spawn(launch: Launch, env: dict[str, str], log_dir: Any) -> Child:
     log = open(log_dir / f"{launch.name}.log", "ab")
     proc = subprocess.Popen([sys.executable, "-m", "gyre", "serve", launch.service, "--port", str(launch.port)],
-                            env={**env, **launch.env}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+                            env={**env, **launch.env}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)  # a terminal's Ctrl-C reaches gyre up, which stops them in order
     log.close()
     return Child(launch.name, launch.port, proc)
 
@@ -193,8 +194,10 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
     children: list[Child] = []
     stopping = False
 
-    def _stop(*_: object) -> None:
+    def _stop(signum: int | None = None, _frame: object = None) -> None:
         nonlocal stopping
+        if stopping and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop at once, without the report
         stopping = True
 
     signal.signal(signal.SIGTERM, _stop)
@@ -211,6 +214,8 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
                "GYRE_RUN_DIR": str(settings.run_dir), "GYRE_DATABASE_URL": settings.sqlalchemy_url}
         plan = plan_stack(cfg, _admin_token(settings))
         job = None if check else MainJob(cfg, settings.nats_url or "", proxy_url(plan), eval_split=eval_split)
+        if job is not None:  # from here a Ctrl-C stops the run like SIGTERM: the report is still written
+            signal.signal(signal.SIGINT, _stop)
         code = _watch(settings, plan, children, env, console, check=check, duration=duration,
                       stopping=lambda: stopping, job=job)
         if job is not None:
@@ -219,6 +224,7 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
     except KeyboardInterrupt:
         return 0
     finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         for c in children:
             if c.proc.poll() is None:
                 c.proc.terminate()

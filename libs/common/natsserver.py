@@ -68,8 +68,11 @@ class EmbeddedNats:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         log = open(self.store_dir / "nats-server.log", "ab")
         cmd = [str(binary), "-js", "-sd", str(self.store_dir.resolve()), "-a", self.host, "-p", str(self.port)]
+        # its own session: a Ctrl-C in the terminal reaches the owner (which may still need the
+        # server, e.g. for `gyre up`'s report), not the server; it stops with its owner
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            start_new_session=True,
         )
         log.close()
         deadline = time.monotonic() + timeout_s

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -184,3 +186,31 @@ def test_warm_start_without_reference_solutions_is_a_clear_error(tmp_path) -> No
     res = gyre("up", f"run.dir={tmp_path / 'runs'}", f"tasks.dir={tasks}", "warmstart.enabled=true", "cells.count=0",
                timeout=120)
     assert res.returncode == 2 and "no reference solution" in (res.stdout + res.stderr) and "t1" in res.stdout + res.stderr
+
+
+def test_ctrl_c_stops_the_run_and_still_writes_the_report(tmp_path) -> None:
+    """The first Ctrl-C (SIGINT to `gyre up` alone, as a terminal's reaches it: the services
+    run in sessions of their own) stops the run in the middle and writes the report and the
+    summary from the log."""
+    runs = tmp_path / "runs"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gyre", "up", "run.steps=40", "tasks.per_step=1", "group_size=2",
+                             "cells.count=1", "run.id=cc", f"run.dir={runs}", "tasks.include=[starter_scale*]"],
+                            env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        workspaces = runs / "cc" / "workspaces"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not (workspaces.is_dir() and any(workspaces.iterdir())):
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert workspaces.is_dir() and any(workspaces.iterdir()), "no rollout started"
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, out[-3000:]
+    summary = json.loads((runs / "cc" / "summary.json").read_text())
+    assert summary["steps"] < 40  # stopped in the middle
+    assert (runs / "cc" / "report.html").exists() and (runs / "cc" / "report.json").exists()
