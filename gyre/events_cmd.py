@@ -99,6 +99,19 @@ async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) 
             "tables": {k: v for k, v in digest.items() if k != "*"}}
 
 
+async def run_options(bus: JetStreamBus, run_id: str) -> dict[str, Any]:
+    """The trajectory options the run was started with (its last ``RunStarted``; none: the
+    service's defaults), so a rebuild selects and packs as the live service did."""
+    from libs.common.events import RunStarted
+    from services.trajectory.main import run_config_options
+
+    config: dict[str, Any] = {}
+    async for d in bus.read(Context.RUNS, filter_subject=f"gyre.{run_id}.runs.>"):
+        if isinstance(d.event, RunStarted):
+            config = d.event.config
+    return run_config_options(config)
+
+
 async def tree_show(settings: GyreSettings, rollout: str, fmt: str, tokens: bool) -> str:
     from libs.common.blobs import ObjectStoreBlobStore
     from services.trajectory.main import ledger_config
@@ -107,7 +120,8 @@ async def tree_show(settings: GyreSettings, rollout: str, fmt: str, tokens: bool
     bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-tree")
     try:
         blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
-        return await show_rollout(bus, blobs, ledger_config(settings.run_id, {}), rollout, fmt=fmt, show_tokens=tokens)
+        config = ledger_config(settings.run_id, await run_options(bus, settings.run_id))
+        return await show_rollout(bus, blobs, config, rollout, fmt=fmt, show_tokens=tokens)
     finally:
         await bus.close()
 
@@ -160,7 +174,8 @@ async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
                 meta = msg.metadata
                 copy.load(ctx.stream, meta.sequence.stream, msg.subject, msg.data, meta.timestamp)
         recorded = [_tree_facts(d.event) async for d in bus.read(Context.TREES, filter_subject=f"gyre.{run_id}.trees.>")]
-        service = TrajectoryService(ledger_config(run_id, {}), bus=copy, blobs=_ReadThrough(live_blobs))
+        config = ledger_config(run_id, await run_options(bus, run_id))  # as the live service was configured
+        service = TrajectoryService(config, bus=copy, blobs=_ReadThrough(live_blobs))
         await service.rebuild()
         replayed = [_tree_facts(d.event) async for d in copy.read(Context.TREES)]
     finally:

@@ -67,6 +67,8 @@ class Launch:
 def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
     """The embedded stack: services, ``cells.count`` embedded engine cells with their
     agents, and the scheduler that switches them (cell c0 is the core cell)."""
+    from services.trajectory.main import run_config_options
+
     cells = cfg.cells.count
     proxy_port = free_port()
     proxy_url = f"http://127.0.0.1:{proxy_port}"
@@ -78,8 +80,7 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
               "GYRE_SCHEDULER_MIN_DWELL_S": str(cfg.cells.min_dwell_s),
               "GYRE_SCHEDULER_SMOOTHING_S": str(cfg.cells.smoothing_s),
               "GYRE_SCHEDULER_TICK_S": str(cfg.cells.tick_s),
-              "GYRE_TRAJECTORY_BUDGET": str(cfg.loss.sample_budget),
-              "GYRE_TRAJECTORY_MICRO_STEP_TOKENS": str(cfg.trainer.micro_step_tokens),
+              **{f"GYRE_TRAJECTORY_{k.upper()}": str(v) for k, v in run_config_options(cfg.model_dump()).items()},
               "GYRE_EVALUATOR_WORKERS": str(cfg.evaluator.workers),
               **({"GYRE_EVALUATOR_JUDGE__BASE_URL": cfg.evaluator.judge_url,
                   "GYRE_EVALUATOR_JUDGE__MODEL": cfg.evaluator.judge_model} if cfg.evaluator.judge_url else {})}

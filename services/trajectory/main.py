@@ -61,6 +61,19 @@ OPTIONS = ("budget", "seed", "micro_step_tokens", "max_piece_tokens", "group_siz
            "advantage_scale")
 
 
+def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The trajectory options a run config sets (``RunConfig.model_dump()``, or the
+    ``config`` of ``RunStarted``): what ``gyre up`` passes to the service, and what a replay
+    of the run must use to rebuild the same samples and micro-steps."""
+    loss, trainer = config.get("loss") or {}, config.get("trainer") or {}
+    out: dict[str, Any] = {}
+    if loss.get("sample_budget") is not None:
+        out["budget"] = int(loss["sample_budget"])
+    if trainer.get("micro_step_tokens") is not None:
+        out["micro_step_tokens"] = int(trainer["micro_step_tokens"])
+    return out
+
+
 def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     """``options`` plus each ``GYRE_TRAJECTORY_<OPTION>`` that is set and not given already."""
     extra = {name: environ[f"GYRE_TRAJECTORY_{name.upper()}"] for name in OPTIONS

@@ -132,12 +132,14 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     # phase 0 (a 2-step warm start on the train-split scale tasks), held-out eval before and after
     res = gyre("up", "run.steps=1", "tasks.per_step=1", "group_size=2", "cells.count=1", "run.id=e2e",
                f"run.dir={runs}", "tasks.include=[starter_scale*]", "warmstart.enabled=true", "warmstart.steps=2",
-               "warmstart.flaw_rate=0.5", "eval.heldout=true", "--json-summary", str(summary), timeout=600)
+               "warmstart.flaw_rate=0.5", "eval.heldout=true", "trainer.micro_step_tokens=1024",
+               "--json-summary", str(summary), timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     figures = json.loads(summary.read_text())
     assert figures == json.loads((runs / "e2e" / "summary.json").read_text())  # always written beside the report
     assert figures["steps"] == 1 and figures["agent_errors"] == 0 and not figures["errors"]
-    assert figures["replay_identical"] is True  # trees and samples rebuilt from the log match
+    # trees and samples rebuilt from the log match (the rebuild packs micro-steps of the run's 1024 tokens)
+    assert figures["replay_identical"] is True
     assert 0.0 <= figures["heldout_success_before"] <= 1.0 and 0.0 <= figures["heldout_success_after"] <= 1.0
     report = json.loads((runs / "e2e" / "report.json").read_text())
     assert report["rollouts"] == 2 and report["scored"] == 2 and report["calls"] >= 2
