@@ -17,7 +17,7 @@ from typing import Any
 
 from libs.common.events import (
     CallRecorded, Context, Event, ForkDetected, RolloutFinished, RolloutScored, RolloutStarted, RolloutTimedOut,
-    HeldoutEvaluated, RunStarted, SamplesSelected, StepApplied, WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
+    CellRegistered, HeldoutEvaluated, RunStarted, SamplesSelected, StepApplied, WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
 )
 
 
@@ -35,6 +35,7 @@ class RunFacts:
     forks: Counter = field(default_factory=Counter)
     stored_tokens: dict[str, int] = field(default_factory=dict)
     selected_tokens: dict[str, int] = field(default_factory=dict)
+    flattened_tokens: Counter = field(default_factory=Counter)  # rollout -> sum of every call's input + output
     calls: int = 0
     undelivered: int = 0
     drift: Counter = field(default_factory=Counter)
@@ -69,9 +70,11 @@ class RunFacts:
             self.scores[ev.rollout_id] = (ev.score, ev.partial)
         elif isinstance(ev, WaterLevelSampled):
             self.water.append((t, ev.level, float(ev.inference_capacity)))
+        elif isinstance(ev, CellRegistered):
+            self.roles.append((t, ev.cell, str(ev.role)))  # where each cell starts
         elif isinstance(ev, SwitchCompleted):
             self.switches += 1
-            self.roles.append((t, ev.cell, ev.role))
+            self.roles.append((t, ev.cell, str(ev.role)))
         elif isinstance(ev, SwitchFailed):
             self.switch_failures += 1
         elif isinstance(ev, ForkDetected):
@@ -81,6 +84,7 @@ class RunFacts:
         elif isinstance(ev, SamplesSelected):
             self.selected_tokens[ev.rollout_id] = sum(s.n_tokens for s in ev.samples)
         elif isinstance(ev, CallRecorded):
+            self.flattened_tokens[ev.rollout_id] += ev.prefix_len + ev.n_new_input_tokens + ev.n_output_tokens
             self.calls += 1
             self.undelivered += not ev.delivered
             self.drift[ev.drift.value] += 1
@@ -136,20 +140,35 @@ def _plots(facts: RunFacts, out: Path) -> list[tuple[str, str]]:
         cells = sorted({c for _, c, _ in facts.roles})
         for i, cell in enumerate(cells):
             pts = [(t - t0, 1 if role == "training" else 0) for t, c, role in facts.roles if c == cell]
-            ax2.step([p[0] for p in pts], [i * 1.2 + p[1] for p in pts], where="post", label=f"{cell} (1=training)")
+            end = max([w[0] for w in facts.water] + [r[0] for r in facts.roles]) - t0
+            pts.append((end, pts[-1][1]))  # the last role holds to the end of the record
+            ax2.step([p[0] for p in pts], [i * 1.2 + p[1] for p in pts], where="post", color=f"C{i + 2}",
+                     label=f"{cell} ({i * 1.2:g}: inference, {i * 1.2 + 1:g}: training)")
         ax.set(xlabel="seconds", ylabel="calls")
-        ax.legend(loc="upper left", fontsize=7)
+        if facts.water:
+            ax.legend(loc="upper left", fontsize=7)
         if cells:
             ax2.legend(loc="upper right", fontsize=7)
         save(fig, "cells.png", "Cell roles over time, under the water level")
     if facts.stored_tokens:
-        fig, ax = plt.subplots(figsize=(6, 3))
-        ids = sorted(facts.stored_tokens)
-        ax.bar(range(len(ids)), [facts.stored_tokens[i] for i in ids], label="stored (tree)")
-        ax.bar(range(len(ids)), [facts.selected_tokens.get(i, 0) for i in ids], label="selected branches", alpha=0.7)
-        ax.set(xlabel="rollout", ylabel="tokens")
-        ax.legend(fontsize=7)
-        save(fig, "trees.png", "Tree statistics per rollout")
+        fig, (ax, ax_forks) = plt.subplots(1, 2, figsize=(8, 3), gridspec_kw={"width_ratios": [3, 2]})
+        ids = list(facts.stored_tokens)
+        flat = sum(facts.flattened_tokens.get(r, 0) for r in ids)
+        stored = sum(facts.stored_tokens.values())
+        selected = sum(facts.selected_tokens.get(r, 0) for r in ids)
+        ax.bar(range(3), [flat, stored, selected], color=["C0", "C1", "C2"])
+        ax.set_xticks(range(3), ["flattened\n(every call's in + out)", "stored\n(trees)", "selected\nbranches"],
+                      fontsize=7)
+        ax.set(ylabel="tokens", title=f"{len(ids)} trees; flattened / stored = {flat / max(stored, 1):.2f}")
+        kinds = sorted(facts.forks)
+        if kinds:
+            ax_forks.bar(range(len(kinds)), [facts.forks[k] for k in kinds], color="C3")
+            ax_forks.set_xticks(range(len(kinds)), kinds, rotation=30, fontsize=7)
+        else:
+            ax_forks.text(0.5, 0.5, "no forks", ha="center", va="center", transform=ax_forks.transAxes)
+            ax_forks.set_xticks([])
+        ax_forks.set(ylabel="forks", title="fork types")
+        save(fig, "trees.png", "Tree statistics: flattened vs stored tokens, fork types")
     if facts.scores:
         fig, ax = plt.subplots(figsize=(6, 3))
         full = [s for s, partial in facts.scores.values() if not partial]
@@ -175,6 +194,7 @@ def figures(facts: RunFacts) -> dict[str, Any]:
         "harness_failures": sum(1 for s in facts.exit_status.values() if s not in (0, None)),  # eval ones too
         "calls": facts.calls, "undelivered_calls": facts.undelivered, "drift": dict(facts.drift),
         "role_switches": facts.switches, "switch_failures": facts.switch_failures, "forks": dict(facts.forks),
+        "flattened_tokens": sum(facts.flattened_tokens[r] for r in facts.stored_tokens),
         "stored_tokens": sum(facts.stored_tokens.values()), "selected_tokens": sum(facts.selected_tokens.values()),
         "steps_applied": facts.steps_applied, "warm_start": facts.warm_start,
         "heldout": facts.evals, "eval_rollouts": len(facts.eval_rollouts),
