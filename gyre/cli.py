@@ -211,13 +211,20 @@ def tree_show(
     fmt: Annotated[str, typer.Option("--format", "-f", help="text | svg | dot")] = "text",
     run_id: Annotated[Optional[str], typer.Option("--run", help="run id [GYRE_RUN_ID]")] = None,
     tokens: Annotated[bool, typer.Option("--tokens", help="show token ids")] = False,
+    run_dir: Annotated[Optional[Path], typer.Option(
+        "--run-dir", help="without GYRE_NATS_URL: the finished run's folder, whose event store is reopened "
+                          "[GYRE_RUN_DIR; default runs/<run>]")] = None,
 ) -> None:
     """Print one rollout's trajectory tree: forks, roles, selected branches."""
+    import os
+
     from gyre.events_cmd import tree_show as show
 
     if fmt not in ("text", "svg", "dot"):
         raise typer.BadParameter("--format is text, svg or dot")
-    typer.echo(asyncio.run(show(_settings(run_id=run_id), rollout, fmt, tokens)))
+    if run_dir is None and run_id and not os.environ.get("GYRE_RUN_DIR"):
+        run_dir = Path("runs") / run_id  # where `gyre up` leaves a run
+    typer.echo(asyncio.run(show(_settings(run_id=run_id, run_dir=run_dir), rollout, fmt, tokens)))
 
 
 @app.command()

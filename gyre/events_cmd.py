@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -117,13 +119,14 @@ async def tree_show(settings: GyreSettings, rollout: str, fmt: str, tokens: bool
     from services.trajectory.main import ledger_config
     from services.trajectory.show import show_rollout
 
-    bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-tree")
-    try:
-        blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
-        config = ledger_config(settings.run_id, await run_options(bus, settings.run_id))
-        return await show_rollout(bus, blobs, config, rollout, fmt=fmt, show_tokens=tokens)
-    finally:
-        await bus.close()
+    with run_nats_url(settings) as url:
+        bus = await JetStreamBus.connect(url, name="gyre-tree")
+        try:
+            blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
+            config = ledger_config(settings.run_id, await run_options(bus, settings.run_id))
+            return await show_rollout(bus, blobs, config, rollout, fmt=fmt, show_tokens=tokens)
+        finally:
+            await bus.close()
 
 
 class _ReadThrough:
@@ -184,21 +187,29 @@ async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
             "identical": sorted(map(repr, recorded)) == sorted(map(repr, replayed))}
 
 
-async def replay_trees_of(settings: GyreSettings) -> dict[str, Any]:
-    """``replay_trees`` on ``GYRE_NATS_URL``, or, without one, on a finished embedded run's
-    store (``<run dir>/nats``, reopened for the call)."""
+@contextlib.contextmanager
+def run_nats_url(settings: GyreSettings) -> Iterator[str]:
+    """``GYRE_NATS_URL``, or, without one, a finished embedded run's store (``<run dir>/nats``)
+    reopened for the duration."""
     from libs.common.natsserver import EmbeddedNats
 
     if settings.nats_url:
-        return await replay_trees(settings.nats_url, settings.run_id)
+        yield settings.nats_url
+        return
     if not settings.nats_store_dir.is_dir():
         raise NatsNotConfigured(f"GYRE_NATS_URL is not set and {settings.nats_store_dir} holds no event store: "
                                 "pass --run-dir of a finished run or set GYRE_NATS_URL")
     nats = EmbeddedNats(settings.nats_store_dir).start()
     try:
-        return await replay_trees(nats.url, settings.run_id)
+        yield nats.url
     finally:
         nats.stop()
+
+
+async def replay_trees_of(settings: GyreSettings) -> dict[str, Any]:
+    """``replay_trees`` on ``GYRE_NATS_URL`` or on a finished embedded run's own store."""
+    with run_nats_url(settings) as url:
+        return await replay_trees(url, settings.run_id)
 
 
 async def replay_training_step(settings: GyreSettings, step: int) -> dict[str, Any]:
