@@ -266,6 +266,8 @@ async def _generate(engine: Engine, body: dict) -> Response:
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
     prompts, batched = _prompts(engine, req)
+    if batched and isinstance(req.rid, str):
+        raise InvalidRequest("rid must be a list (one id per prompt) when input_ids is a batch")
     seqs = []
     for i, ids in enumerate(prompts):
         if _pick(req.logprob_start_len, i, batched) not in (-1, None):
@@ -279,7 +281,14 @@ async def _generate(engine: Engine, body: dict) -> Response:
             raise InvalidRequest("streaming a batch is not supported; send one request per prompt")
         subscriber = await engine.submit(seqs[0], stream=True)  # errors answer before the stream starts
         return StreamingResponse(_stream(engine, seqs[0], subscriber), media_type="text/event-stream")
-    subscribers = [await engine.submit(seq, stream=False) for seq in seqs]
+    subscribers = []
+    try:
+        for seq in seqs:
+            subscribers.append(await engine.submit(seq, stream=False))
+    except Exception:  # one prompt of the batch refused: nothing of the batch keeps running unread
+        if subscribers:
+            engine.call(lambda: engine.abort([seq.rid for seq in seqs[:len(subscribers)]], "batch refused"))
+        raise
     finals = []
     for subscriber in subscribers:
         async for snapshot, _ in subscriber.updates():

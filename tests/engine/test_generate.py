@@ -128,6 +128,28 @@ async def test_bad_input_is_a_400(http, shared_service):
     assert (await http.post("/generate", content=b"not json")).status_code == 400
 
 
+async def test_a_refused_batch_leaves_nothing_running(http, shared_service):
+    long = _greedy(5000, ignore_eos=True)
+    # one string rid for a batch: refused before anything starts
+    response = await http.post("/generate", json={"input_ids": [PROMPT, PROMPT], "sampling_params": long,
+                                                  "rid": "one-for-all"})
+    assert response.status_code == 400 and "rid must be a list" in response.json()["error"]["message"]
+    # the second prompt's rid is taken: the first, already submitted, is aborted with the refusal
+    blocker = asyncio.create_task(http.post("/generate", json={"input_ids": PROMPT, "sampling_params": long,
+                                                               "rid": "taken"}))
+    engine = shared_service.engine
+    for _ in range(500):
+        if engine.call(lambda: "taken" in engine._live):
+            break
+        await asyncio.sleep(0.01)
+    response = await http.post("/generate", json={"input_ids": [PROMPT, PROMPT], "sampling_params": [long, long],
+                                                  "rid": ["fresh", "taken"]})
+    assert response.status_code == 400 and "already in flight" in response.json()["error"]["message"]
+    assert (await http.post("/abort_request", json={"rid": "fresh"})).json()["num_aborted"] == 0  # already gone
+    assert (await http.post("/abort_request", json={"rid": "taken"})).json()["num_aborted"] == 1
+    await blocker
+
+
 async def test_text_prompts_and_zero_new_tokens(http):
     out = (await http.post("/generate", json={"text": "Hello world,", "sampling_params": _greedy(2)})).json()
     assert out["meta_info"]["prompt_tokens"] == 3
