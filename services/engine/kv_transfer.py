@@ -15,7 +15,7 @@ import json
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from .engine import Engine
+from .engine import Engine, MemoryReleased
 from .params import InvalidRequest
 
 MEDIA_TYPE = "application/octet-stream"
@@ -31,8 +31,12 @@ def export_prefix(engine: Engine, input_ids: list[int]) -> bytes:
 
 
 def import_prefix(engine: Engine, blob: bytes) -> int:
-    """Engine thread: adds an exported prefix to the cache; returns the new token count."""
+    """Engine thread: adds an exported prefix to the cache; returns the new token count.
+    Refused while the KV cache's memory is released (a cell lent to training)."""
     from safetensors.torch import load
+
+    if "kv_cache" in engine.released:
+        raise MemoryReleased("the KV cache's memory is released; resume it before importing a prefix")
 
     try:
         kv = load(blob)["kv"]

@@ -230,6 +230,24 @@ async def test_kv_export_import_moves_a_session_between_cells(cell, shared_servi
     assert err.value.status == 400
 
 
+async def test_releasing_only_the_kv_cache_refuses_generation_and_kv_imports_until_resumed(cell, fresh_service,
+                                                                                            shared_service):
+    turn = list(range(8400, 8500))
+    async with asgi_client(shared_service) as source:
+        first = await source.generate(turn, GREEDY)
+        blob = await source.kv_export(turn + first["output_ids"])
+    await cell.release_memory(["kv_cache"])
+    assert fresh_service.engine.released == {"kv_cache"}
+    assert fresh_service.engine.runner.model.get_parameter(EMBED).numel() > 0  # the weights stay
+    for attempt in (cell.kv_import(blob), cell.generate(PROMPT, GREEDY)):
+        with pytest.raises(CellError) as err:
+            await attempt
+        assert err.value.status == 503
+    assert fresh_service.engine.prefix_cache.tree.total_tokens == 0
+    await cell.resume_memory(["kv_cache"])
+    assert (await cell.kv_import(blob))["added_tokens"] == len(turn) + len(first["output_ids"]) - 1
+
+
 async def test_prefix_cache_evicts_least_recent_sessions_under_its_cap(cell, fresh_service):
     tree = fresh_service.engine.prefix_cache.tree
     saved, tree.capacity_tokens = tree.capacity_tokens, 150
