@@ -81,6 +81,16 @@ class CellsSection(_Section):
     min_dwell_s: float = Field(default=10.0, ge=0)
     smoothing_s: float = Field(default=5.0, ge=0)
     tick_s: float = Field(default=1.0, gt=0)
+    low_watermark: float = Field(default=1.0, gt=0)  # elastic: release a cell when the level fits under this x capacity
+    high_watermark: float = Field(default=1.2, gt=0)  # elastic: reclaim training cells above this x capacity
+    max_switches_in_flight: int = Field(default=2, ge=1)
+    training_cells: int = Field(default=1, ge=1)  # async: the fixed split's training cells
+
+    @model_validator(mode="after")
+    def _watermarks(self) -> "CellsSection":
+        if self.low_watermark >= self.high_watermark:
+            raise ValueError("low_watermark must be below high_watermark")
+        return self
 
 
 class EvaluatorSection(_Section):

@@ -3,7 +3,9 @@
 Environment: ``GYRE_PROXY_URL`` (required: calls in flight per cell come from the proxy's
 ``/admin/cells``), ``GYRE_ADMIN_TOKEN``, ``GYRE_SCHEDULER_POLICY`` (``elastic`` default,
 ``colocate``, ``async``), ``GYRE_SCHEDULER_TICK_S`` (2), and the elastic policy's knobs
-``GYRE_SCHEDULER_HOLD_S``, ``GYRE_SCHEDULER_MIN_DWELL_S``, ``GYRE_SCHEDULER_SMOOTHING_S``.
+``GYRE_SCHEDULER_HOLD_S``, ``GYRE_SCHEDULER_MIN_DWELL_S``, ``GYRE_SCHEDULER_SMOOTHING_S``,
+``GYRE_SCHEDULER_LOW_WATERMARK``, ``GYRE_SCHEDULER_HIGH_WATERMARK``,
+``GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT``; ``async``: ``GYRE_SCHEDULER_TRAINING_CELLS`` (1).
 """
 
 from __future__ import annotations
@@ -23,13 +25,17 @@ from .live import LiveScheduler
 def policy_from_env() -> Any:
     name = os.environ.get("GYRE_SCHEDULER_POLICY", "elastic")
     if name == "elastic":
-        knobs = {k: float(os.environ[f"GYRE_SCHEDULER_{k.upper()}"])
-                 for k in ("hold_s", "min_dwell_s", "smoothing_s") if os.environ.get(f"GYRE_SCHEDULER_{k.upper()}")}
+        knobs: dict[str, Any] = {
+            k: float(os.environ[f"GYRE_SCHEDULER_{k.upper()}"])
+            for k in ("hold_s", "min_dwell_s", "smoothing_s", "low_watermark", "high_watermark")
+            if os.environ.get(f"GYRE_SCHEDULER_{k.upper()}")}
+        if os.environ.get("GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT"):
+            knobs["max_switches_in_flight"] = int(os.environ["GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT"])
         return ElasticPolicy(**knobs)
     if name == "colocate":
         return ColocatePolicy()
     if name == "async":
-        return AsyncPolicy()
+        return AsyncPolicy(training_cells=int(os.environ.get("GYRE_SCHEDULER_TRAINING_CELLS") or 1))
     raise ValueError(f"GYRE_SCHEDULER_POLICY: expected elastic, colocate or async, got {name!r}")
 
 

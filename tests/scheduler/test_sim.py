@@ -180,3 +180,40 @@ def test_batch_dependent_latency_keeps_work_and_speeds_lone_calls() -> None:
     assert simulate(replace(TINY, full_batch_slowdown=1.0), "elastic").digest == runs[1].digest
     with pytest.raises(ValueError, match="full_batch_slowdown"):
         replace(TINY, full_batch_slowdown=0.5)
+
+
+def test_the_elastic_policys_thresholds_are_sim_settings_and_flags():
+    from services.scheduler.sim.cli import build_parser
+    from services.scheduler.sim.config import SimConfig
+    from services.scheduler.sim.modes import make_policy
+
+    policy = make_policy("elastic", SimConfig(hold_s=5.0, low_watermark=0.8, high_watermark=1.5, min_dwell_s=60.0,
+                                              smoothing_s=10.0, max_switches_in_flight=3))
+    assert (policy.hold_s, policy.low_watermark, policy.high_watermark, policy.min_dwell_s, policy.smoothing_s,
+            policy.max_switches_in_flight) == (5.0, 0.8, 1.5, 60.0, 10.0, 3)
+    assert make_policy("elastic", SimConfig()).hold_s == 30.0  # the policy's own default
+    args = build_parser().parse_args(["--hold-s", "7", "--high-watermark", "1.4"])
+    assert (args.opt_hold_s, args.opt_high_watermark) == (7.0, 1.4)
+    with pytest.raises(ValueError, match="low_watermark < high_watermark"):
+        make_policy("elastic", SimConfig(low_watermark=1.3, high_watermark=1.2))
+
+
+def test_the_run_configs_thresholds_reach_the_live_scheduler(monkeypatch):
+    from gyre.up import plan_stack
+    from libs.common.runconfig import RunConfigError, load_run_config
+    from services.scheduler.main import policy_from_env
+
+    cfg = load_run_config(None, ["cells.count=1", "cells.hold_s=4", "cells.low_watermark=0.9",
+                                 "cells.high_watermark=1.6", "cells.max_switches_in_flight=3"])
+    (launch,) = [x for x in plan_stack(cfg, "tok") if x.service == "scheduler"]
+    for key, value in launch.env.items():
+        if key.startswith("GYRE_SCHEDULER_"):
+            monkeypatch.setenv(key, value)
+    policy = policy_from_env()
+    assert (policy.hold_s, policy.low_watermark, policy.high_watermark, policy.max_switches_in_flight) == \
+        (4.0, 0.9, 1.6, 3)
+    monkeypatch.setenv("GYRE_SCHEDULER_POLICY", "async")
+    monkeypatch.setenv("GYRE_SCHEDULER_TRAINING_CELLS", "2")
+    assert policy_from_env().training_cells == 2
+    with pytest.raises(RunConfigError, match="low_watermark must be below high_watermark"):
+        load_run_config(None, ["cells.low_watermark=1.5"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..core import ElasticPolicy
 from .workload import WorkloadModel
 
 # Phase split of the seed's measured switch times (8.52 s and 3.46 s); the split is
@@ -37,6 +38,13 @@ class SimConfig:
     reprefill_s: float = 60.0  # slot-seconds to rebuild an evicted session's KV (sessions model)
     full_batch_slowdown: float = 1.0  # decode step with all slots busy / with one call (1: latency load-independent)
     switch_failure_rate: float = 0.0  # chance a switch fails part-way (robustness tests)
+    # the elastic policy's thresholds and hysteresis (core/elastic.py; defaults are its own)
+    low_watermark: float = ElasticPolicy.low_watermark  # release a cell when the level fits under this x capacity
+    high_watermark: float = ElasticPolicy.high_watermark  # reclaim training cells above this x capacity
+    hold_s: float = ElasticPolicy.hold_s  # a pressure must last this long before a switch
+    min_dwell_s: float = ElasticPolicy.min_dwell_s  # a cell stays this long in a role before it moves again
+    smoothing_s: float = ElasticPolicy.smoothing_s  # time constant of the water level's smoothing
+    max_switches_in_flight: int = ElasticPolicy.max_switches_in_flight
     seed: int = 0
     workload: WorkloadModel = field(default_factory=WorkloadModel)
 

@@ -11,13 +11,16 @@ from .engine import ClusterSim
 from .report import SimResult
 
 MODES = ("elastic", "async", "colocate")
+# SimConfig fields that are the elastic policy's own
+ELASTIC_KNOBS = ("low_watermark", "high_watermark", "hold_s", "min_dwell_s", "smoothing_s", "max_switches_in_flight")
 
 
 def make_policy(mode: str, config: SimConfig, *, training_cells: int | None = None, **elastic_opts: Any) -> Policy:
     # with sessions binding, every unfinished rollout holds capacity (weight 1)
     weight = 1.0 if config.sessions_per_cell else config.workload.call_share
     if mode == "elastic":
-        return ElasticPolicy(between_calls_weight=weight, **elastic_opts)
+        knobs = {name: getattr(config, name) for name in ELASTIC_KNOBS}
+        return ElasticPolicy(between_calls_weight=weight, **{**knobs, **elastic_opts})
     if mode == "async":
         if training_cells is None:
             raise ValueError("async needs training_cells (the fixed split)")
