@@ -84,6 +84,9 @@ class LiveScheduler:
         stats = await self.proxy_stats()
         cell_calls = {c["name"]: int(c.get("in_flight", 0)) for c in stats.get("cells", [])}
         running = sum(cell_calls.values())
+        # The proxy holds no queue of its own: it hands every call to a cell at once, and calls
+        # beyond a cell's capacity wait inside its engine, so they count in "in_flight" and the
+        # water level (queued + running) already holds them; "queued" is for a proxy that queues.
         tick = Tick(at=self.clock(), queued_calls=int(stats.get("queued", 0)), running_calls=running,
                     rollouts_between_calls=max(0, len(self.demand.running_rollouts) - running),
                     training_backlog=self.demand.backlog, update_pending=self.demand.update_pending,
