@@ -47,6 +47,19 @@ def build(settings: EngineSettings) -> EngineService:
     return EngineService(settings, engine, weights, app)
 
 
+def exposure_warnings(settings: EngineSettings) -> list[str]:
+    """What an operator should know when the engine listens beyond loopback: ``/generate``
+    takes no key (as SGLang without ``--api-key``), and without an admin token neither do
+    the control endpoints (weight updates, memory release, flush)."""
+    if settings.host in ("127.0.0.1", "localhost", "::1"):
+        return []
+    out = [f"engine listens on {settings.host}: /generate answers anyone who can reach it; "
+           "keep the port on a private network"]
+    if settings.admin_token is None:
+        out.append("no admin token (GYRE_ENGINE_ADMIN_TOKEN): weight updates, memory release and flush are open too")
+    return out
+
+
 def serve(host: str | None = None, port: int | None = None, model: str | None = None, **overrides: Any) -> None:
     """Runs one embedded engine until interrupted (blocking)."""
     import uvicorn
@@ -55,6 +68,8 @@ def serve(host: str | None = None, port: int | None = None, model: str | None = 
     settings = EngineSettings(**values)
     service = build(settings)
     log.info("engine serving %s on %s:%s", settings.model, settings.host, settings.port)
+    for warning in exposure_warnings(settings):
+        log.warning(warning)
     try:
         uvicorn.run(service.app, host=settings.host, port=settings.port, log_level="warning")
     finally:

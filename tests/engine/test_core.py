@@ -173,3 +173,13 @@ def test_input_ids_are_checked_against_vocabulary_and_context():
     with pytest.raises(InvalidRequest, match="context limit"):
         check_input_ids([1] * 50, 100, 50)
     check_input_ids([0, 99], 100, 50)
+
+
+def test_an_engine_beyond_loopback_warns_what_is_open():
+    from services.engine.main import exposure_warnings
+    from services.engine.settings import EngineSettings
+
+    assert exposure_warnings(EngineSettings(host="127.0.0.1")) == []
+    open_all = exposure_warnings(EngineSettings(host="0.0.0.0"))
+    assert len(open_all) == 2 and "/generate" in open_all[0] and "admin token" in open_all[1]
+    assert len(exposure_warnings(EngineSettings(host="0.0.0.0", admin_token="t"))) == 1
