@@ -143,13 +143,23 @@ class CellAgent:
             return 0
 
     async def _roll_back(self, rec: SwitchRecord) -> None:
-        if rec.role_now != "inference" or rec.from_role != "inference":
+        """Back to the record's safe role. From inference: leave the seat, resume, serve. From
+        training, when resuming failed after the seat had left: release the engine's memory
+        again and re-join the seat, so the cell trains as its role says."""
+        if rec.from_role == "inference" and rec.role_now == "inference":
+            steps: tuple[Any, ...] = (self.seat.leave, self.engine.resume, lambda: self.proxy.activate(self.name))
+        elif rec.from_role == "training" and rec.failed_phase == "resuming":
+            steps = (self.engine.release, self._rejoin)
+        else:
             return
-        for step in (self.seat.leave, self.engine.resume, lambda: self.proxy.activate(self.name)):
+        for step in steps:
             try:
                 await step()
             except Exception as exc:  # keep going: the record says what failed first
                 log.error("cell %s: rollback step failed: %r", self.name, exc)
+
+    async def _rejoin(self) -> None:
+        await self.seat.join(await self._weight_version_safe())
 
     async def _finish(self, rec: SwitchRecord, causation_id: str | None) -> None:
         version = await self._weight_version_safe() if rec.role_now == "inference" else 0

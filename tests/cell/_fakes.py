@@ -1,8 +1,9 @@
-"""Fault injection for the cell agent's training seat.
+"""Fault injection for the cell agent's training seat and engine control.
 
 ``FailingSeat`` fakes a trainer replica that cannot join (e.g. the core is unreachable):
-``join`` raises; ``leave`` succeeds. Everything else in these tests is real: the
-embedded engines, the proxy, NATS.
+``join`` raises; ``leave`` succeeds. ``ResumeFailsOnce`` wraps the real engine control
+and fails the first ``resume`` (an engine that cannot get its memory back). Everything
+else in these tests is real: the embedded engines, the proxy, NATS.
 """
 
 from __future__ import annotations
@@ -17,3 +18,21 @@ class FailingSeat:
 
     async def leave(self) -> None:
         self.left += 1
+
+
+class ResumeFailsOnce:
+    def __init__(self, real) -> None:
+        self.real, self.failed, self.releases = real, False, 0
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    async def release(self) -> None:
+        self.releases += 1
+        await self.real.release()
+
+    async def resume(self) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("out of memory")
+        await self.real.resume()

@@ -100,6 +100,23 @@ async def test_a_failed_join_rolls_back_to_inference(proxy, engines, model_dir) 
     await talk(base, histories)
 
 
+async def test_a_failed_resume_rolls_back_to_training_with_the_seat_joined(proxy, engines, model_dir) -> None:
+    from ._fakes import ResumeFailsOnce
+
+    agents = await setup_cells(proxy, engines, model_dir)
+    cell = agents[1]
+    assert (await cell.switch("training")).ok and cell.seat.model is not None
+    cell.engine = ResumeFailsOnce(cell.engine)
+    rec = await cell.switch("inference")
+    assert not rec.ok and rec.failed_phase == "resuming" and cell.role == "training"
+    assert cell.seat.model is not None  # left, then joined again: the cell trains as its role says
+    assert cell.engine.releases == 1  # the engine's memory released again
+    failed = [e for e in await cell_events(proxy.bus) if isinstance(e, SwitchFailed)]
+    assert failed[-1].phase == "resuming" and failed[-1].role == "training"
+    assert (await cell.switch("inference")).ok and cell.role == "inference"  # the next try resumes
+    assert proxy.service.router.cells["e1"].state.value == "active"
+
+
 async def test_switch_command_over_nats(proxy, engines, model_dir) -> None:
     agents = await setup_cells(proxy, engines, model_dir)
     sub = await agents[1].serve_commands(proxy.bus.nc)
