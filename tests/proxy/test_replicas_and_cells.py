@@ -119,3 +119,20 @@ async def test_client_leaving_mid_stream_aborts_and_records_undelivered(proxy) -
     assert recorded and recorded[0].event.delivered is False
     assert any(rid.endswith("-0") for e in proxy.engines.values() for rid in e.aborted)
     assert 0 < len(recorded[0].output_ids) < 200
+
+
+async def test_session_headers_reach_the_recorded_calls_hints(proxy) -> None:
+    """x-gyre-role and Claude Code's agent ids travel to CallRecorded.hints, where the
+    trajectory service reads them (an explicit role wins over any inference)."""
+    base = await proxy.rollout("hint-1")
+    headers = {**KEY, "x-gyre-role": "subagent", "x-claude-code-agent-id": "agent-7",
+               "x-claude-code-parent-agent-id": "agent-1"}
+    async with httpx.AsyncClient(timeout=30) as c:
+        r = await c.post(base + "/v1/chat/completions", headers=headers,
+                         json={"model": "m", "messages": [{"role": "user", "content": "go"}]})
+        assert r.status_code == 200, r.text
+    recorded = [r.event for r in (await recorded_calls(proxy.bus, proxy.blobs, RUN)).values()
+                if r.event.rollout_id == "hint-1"]
+    assert len(recorded) == 1
+    hints = recorded[0].hints
+    assert (hints.role, hints.agent_id, hints.parent_agent_id) == ("subagent", "agent-7", "agent-1")
