@@ -30,6 +30,16 @@ def _settings(**overrides: object) -> GyreSettings:
         raise typer.BadParameter(str(exc)) from exc
 
 
+def _finished_run_dir(run_id: str | None, run_dir: Path | None) -> Path | None:
+    """Where a finished run's store is: ``--run-dir``, else ``GYRE_RUN_DIR``, else
+    ``runs/<run>`` (where ``gyre up`` leaves a run)."""
+    import os
+
+    if run_dir is None and run_id and not os.environ.get("GYRE_RUN_DIR"):
+        return Path("runs") / run_id
+    return run_dir
+
+
 def _logging(settings: GyreSettings) -> None:
     from libs.common.logs import configure_logging
 
@@ -216,15 +226,12 @@ def tree_show(
                           "[GYRE_RUN_DIR; default runs/<run>]")] = None,
 ) -> None:
     """Print one rollout's trajectory tree: forks, roles, selected branches."""
-    import os
-
     from gyre.events_cmd import tree_show as show
 
     if fmt not in ("text", "svg", "dot"):
         raise typer.BadParameter("--format is text, svg or dot")
-    if run_dir is None and run_id and not os.environ.get("GYRE_RUN_DIR"):
-        run_dir = Path("runs") / run_id  # where `gyre up` leaves a run
-    typer.echo(asyncio.run(show(_settings(run_id=run_id, run_dir=run_dir), rollout, fmt, tokens)))
+    typer.echo(asyncio.run(show(_settings(run_id=run_id, run_dir=_finished_run_dir(run_id, run_dir)),
+                                rollout, fmt, tokens)))
 
 
 @app.command()
@@ -240,12 +247,10 @@ def replay(
 ) -> None:
     """Rebuild the read models (or, with --trees, the trajectory trees and samples) from
     the log alone; prints digests / the comparison as JSON."""
-    import os
-
     from gyre.events_cmd import replay as do_replay
 
-    if (step is not None or trees) and run_dir is None and run_id and not os.environ.get("GYRE_RUN_DIR"):
-        run_dir = Path("runs") / run_id  # where `gyre up` leaves a run
+    if step is not None or trees:
+        run_dir = _finished_run_dir(run_id, run_dir)
     if step is not None:
         from gyre.events_cmd import replay_training_step
 

@@ -101,17 +101,23 @@ async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) 
             "tables": {k: v for k, v in digest.items() if k != "*"}}
 
 
-async def run_options(bus: JetStreamBus, run_id: str) -> dict[str, Any]:
-    """The trajectory options the run was started with (its last ``RunStarted``; none: the
-    service's defaults), so a rebuild selects and packs as the live service did."""
+async def started_config(bus: JetStreamBus, run_id: str) -> dict[str, Any]:
+    """The run config the run was started with (its last ``RunStarted``; none: ``{}``)."""
     from libs.common.events import RunStarted
-    from services.trajectory.main import run_config_options
 
     config: dict[str, Any] = {}
     async for d in bus.read(Context.RUNS, filter_subject=f"gyre.{run_id}.runs.>"):
         if isinstance(d.event, RunStarted):
             config = d.event.config
-    return run_config_options(config)
+    return config
+
+
+async def run_options(bus: JetStreamBus, run_id: str) -> dict[str, Any]:
+    """The trajectory options the run was started with (none: the service's defaults), so
+    a rebuild selects and packs as the live service did."""
+    from services.trajectory.main import run_config_options
+
+    return run_config_options(await started_config(bus, run_id))
 
 
 async def tree_show(settings: GyreSettings, rollout: str, fmt: str, tokens: bool) -> str:
@@ -216,25 +222,17 @@ async def replay_training_step(settings: GyreSettings, step: int) -> dict[str, A
     """Rebuild step ``step``'s micro-steps from the log and recompute its loss from the
     checkpoint before it (what the core trainer recorded in ``StepApplied``)."""
     from libs.common.blobs import ObjectStoreBlobStore
-    from libs.common.natsserver import EmbeddedNats
-    from services.trainer.main import build_backend, train_config
+    from services.trainer.main import build_backend, run_config_options, train_config
     from services.trainer.replay import replay_step
 
-    nats = None
-    url = settings.nats_url
-    if not url:  # a finished embedded run: reopen its store
-        nats = EmbeddedNats(settings.nats_store_dir).start()
-        url = nats.url
-    try:
+    with run_nats_url(settings) as url:
         bus = await JetStreamBus.connect(url, name="gyre-replay-step")
         try:
             blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
-            options: dict[str, Any] = {}
+            # the run's own objective (clip range, TIS cap, KL); the checkpoint brings the weights
+            options = run_config_options(await started_config(bus, settings.run_id))
             return await replay_step(bus, blobs, run_id=settings.run_id, step=step,
                                      checkpoint_dir=settings.run_dir / "trainer" / "checkpoints",
-                                     backend=build_backend(options), train=train_config(options))
+                                     backend=build_backend({}), train=train_config(options))
         finally:
             await bus.close()
-    finally:
-        if nats is not None:
-            nats.stop()

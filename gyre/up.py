@@ -67,6 +67,7 @@ class Launch:
 def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
     """The embedded stack: services, ``cells.count`` embedded engine cells with their
     agents, and the scheduler that switches them (cell c0 is the core cell)."""
+    from services.trainer.main import run_config_options as trainer_options
     from services.trajectory.main import run_config_options
 
     cells = cfg.cells.count
@@ -104,12 +105,9 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
         engines = ",".join(f"c{i}=http://127.0.0.1:{launch.port}"
                            for i, launch in enumerate(x for x in plan if x.service == "engine"))
         plan.append(Launch("trainer", "trainer", free_port(), {
-            **common, "GYRE_TRAINER_ROLE": "core", "GYRE_TRAINER_CELL": "c0", "GYRE_TRAINER_BACKEND": cfg.trainer.backend,
-            "GYRE_TRAINER_LR": str(cfg.trainer.lr), "GYRE_TRAINER_PUBLISH_TO": engines,
-            "GYRE_TRAINER_GROUPS_PER_STEP": str(cfg.tasks.per_step), "GYRE_TRAINER_EPS_LOW": str(cfg.loss.clip_low),
-            "GYRE_TRAINER_EPS_HIGH": str(cfg.loss.clip_high), "GYRE_TRAINER_KL_COEF": str(cfg.loss.kl_coef),
-            "GYRE_TRAINER_MAX_STALENESS": str(cfg.trainer.staleness),
-            **({"GYRE_TRAINER_TIS_CAP": str(cfg.loss.tis_cap)} if cfg.loss.tis_cap else {})}, 1))
+            **common, "GYRE_TRAINER_ROLE": "core", "GYRE_TRAINER_CELL": "c0", "GYRE_TRAINER_PUBLISH_TO": engines,
+            "GYRE_TRAINER_GROUPS_PER_STEP": str(cfg.tasks.per_step),
+            **{f"GYRE_TRAINER_{k.upper()}": str(v) for k, v in trainer_options(cfg.model_dump()).items()}}, 1))
         plan.append(Launch("scheduler", "scheduler", free_port(), {**common, "GYRE_PROXY_URL": proxy_url}, 2))
     return plan
 

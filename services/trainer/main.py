@@ -13,6 +13,7 @@ line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,17 @@ from .step import TrainConfig
 def _opt(options: dict[str, Any], name: str, cast, default):
     value = options.get(name)
     return default if value is None or value == "" else cast(value)
+
+
+def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The trainer options a run config sets (``RunConfig.model_dump()``, or the ``config``
+    of ``RunStarted``): what ``gyre up`` passes as ``GYRE_TRAINER_<OPTION>``, and what a
+    replay of a step must use to recompute its loss."""
+    loss, trainer = config.get("loss") or {}, config.get("trainer") or {}
+    pairs = {"backend": trainer.get("backend"), "lr": trainer.get("lr"), "max_staleness": trainer.get("staleness"),
+             "eps_low": loss.get("clip_low"), "eps_high": loss.get("clip_high"), "kl_coef": loss.get("kl_coef"),
+             "tis_cap": loss.get("tis_cap")}
+    return {k: v for k, v in pairs.items() if v is not None}
 
 
 def train_config(options: dict[str, Any]) -> TrainConfig:

@@ -48,3 +48,19 @@ async def test_core_cell_serves_a_step(js_bus, tmp_path):
     published = [d.event async for d in js_bus.read(Context.TRAINING) if isinstance(d.event, WeightsPublished)]
     assert [e.weight_version for e in published] == [0, 1]
     assert (tmp_path / "trainer" / "checkpoints" / "step-000001.pt").is_file()
+
+
+def test_the_run_configs_objective_reaches_the_trainer_and_a_step_replay_alike():
+    from gyre.up import plan_stack
+    from libs.common.runconfig import load_run_config
+    from services.trainer.main import run_config_options, train_config
+
+    cfg = load_run_config(None, ["cells.count=1", "loss.clip_low=0.1", "loss.tis_cap=3", "trainer.lr=0.002"])
+    (launch,) = [x for x in plan_stack(cfg, "tok") if x.service == "trainer"]
+    assert (launch.env["GYRE_TRAINER_EPS_LOW"], launch.env["GYRE_TRAINER_TIS_CAP"], launch.env["GYRE_TRAINER_LR"]) == \
+        ("0.1", "3.0", "0.002")
+    # what `gyre replay --step` rebuilds from RunStarted.config (the same dump)
+    replayed = train_config(run_config_options(cfg.model_dump(mode="json")))
+    assert (replayed.objective.eps_low, replayed.objective.tis_cap, replayed.lr) == (0.1, 3.0, 0.002)
+    assert "GYRE_TRAINER_TIS_CAP" not in [x for x in plan_stack(load_run_config(None, ["cells.count=1", "loss.tis_cap=null"]),
+                                                                "tok") if x.service == "trainer"][0].env
