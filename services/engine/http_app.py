@@ -174,9 +174,8 @@ def _weight_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin) 
         if not body.get("model_path"):
             raise InvalidRequest("model_path is required")
         checked = await asyncio.to_thread(weights.load_from_disk, str(body["model_path"]))
-        if body.get("abort_all_requests"):
-            await engine.acall(lambda: engine.abort(None, "aborted for a weight update"))
-        paused = await asyncio.wrap_future(weights.apply_now(checked, _version(body.get("weight_version"))))
+        paused = await asyncio.wrap_future(weights.apply_now(checked, _version(body.get("weight_version")),
+                                                             abort_all_requests=bool(body.get("abort_all_requests"))))
         return {"success": True, "message": "weights loaded from disk", "num_paused_requests": paused}
 
     @app.post("/update_weights_from_tensor", dependencies=[admin])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -25,3 +26,7 @@ class EngineSettings(BaseSettings):
     admin_token: SecretStr | None = None  # required by control endpoints when set
     num_threads: int | None = Field(default=None, ge=1)  # torch intra-op threads
     scratch_dir: Path | None = None  # where released weights are parked; default: a temp dir
+    # A weight update that finds requests running and generation not paused: "wait" holds new
+    # requests and applies it once the running ones finish; "reject" refuses it (400, nothing
+    # applied). Idle or paused engines apply at once in both modes (README, weight updates).
+    weight_update_mode: Literal["wait", "reject"] = "wait"

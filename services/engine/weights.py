@@ -4,12 +4,21 @@ Rules that keep answers correct:
 
 - Every update is checked whole (names, shapes, dtypes) before anything is written; a bad
   one raises :class:`WeightUpdateError` (HTTP 400) and the old weights stay.
-- Writes happen on the engine thread between steps (:meth:`Engine.call_when_idle`): at once
-  when the engine is idle or paused, otherwise new requests are held and the write waits
-  for the running ones to finish. A forward step never sees a half-applied update.
+- Writes happen on the engine thread between steps: at once when the engine is idle or
+  paused. Otherwise ``weight_update_mode`` decides: ``wait`` (:meth:`Engine.call_when_idle`)
+  holds new requests and writes once the running ones finish; ``reject`` refuses the update
+  with :class:`WeightUpdateRefused` (HTTP 400, nothing written), decided on the engine thread
+  in the same command that would write, so no step can start in between. A forward step
+  never sees a half-applied update.
+- A distributed update is refused only after the whole broadcast was received: the
+  trainer's collective always completes and the group stays in step (refusing before the
+  receive would leave the trainer's ``broadcast`` waiting for a receiver, and a later
+  update would read the stale tensors); the received tensors are dropped.
 - Between ``begin_weight_update`` and ``end_weight_update`` tensor and distributed updates
   are staged and applied together at the end (all or nothing). Without ``begin`` each call
-  applies at once, as SGLang before 0.5.21 did.
+  applies at once, as SGLang before 0.5.21 did. In ``reject`` mode only ``end`` can be
+  refused (staging writes nothing); a refused ``end`` closes the window and drops what was
+  staged.
 - Every applied update flushes the prefix cache: cached KV of old weights is stale.
 """
 
@@ -23,7 +32,7 @@ import pickle
 import tempfile
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
@@ -33,11 +42,17 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger(__name__)
+ABORTED_FOR_UPDATE = "aborted for a weight update"
 FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WeightUpdateError(ValueError):
     """A weight update refused before any weight changed."""
+
+
+class WeightUpdateRefused(WeightUpdateError):
+    """``weight_update_mode=reject``: the update found requests running and generation not
+    paused; nothing was written and the running requests go on with the old weights."""
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -116,9 +131,9 @@ class WeightManager:
         self.staged, self._staged_version = {}, None
 
     def end(self, weight_version: str | None) -> Future:
-        staged, self.staged = self.staged or {}, None
+        staged, self.staged = self.staged or {}, None  # a refused end drops the window too
         version = weight_version if weight_version is not None else self._staged_version
-        return self.engine.call_when_idle(lambda: self._write(staged, version))
+        return self._schedule(lambda: self._write(staged, version))
 
     def submit(self, checked: dict[str, torch.Tensor], weight_version: str | None) -> Future:
         """Stages (inside begin/end) or applies ``checked``; returns a future of the apply."""
@@ -129,11 +144,33 @@ class WeightManager:
             done: Future = Future()
             done.set_result(0)
             return done
-        return self.engine.call_when_idle(lambda: self._write(checked, weight_version))
+        return self._schedule(lambda: self._write(checked, weight_version))
 
-    def apply_now(self, checked: dict[str, torch.Tensor], weight_version: str | None) -> Future:
-        """Applies outside any begin/end window (disk updates)."""
-        return self.engine.call_when_idle(lambda: self._write(checked, weight_version))
+    def apply_now(self, checked: dict[str, torch.Tensor], weight_version: str | None,
+                  abort_all_requests: bool = False) -> Future:
+        """Applies outside any begin/end window (disk updates), after aborting every request
+        when asked (then nothing runs, so neither mode waits or refuses)."""
+        return self._schedule(lambda: self._write(checked, weight_version), abort_first=abort_all_requests)
+
+    def _schedule(self, write: Callable[[], int], abort_first: bool = False) -> Future:
+        """Runs ``write`` on the engine thread per ``weight_update_mode`` (module docstring)."""
+        engine = self.engine
+        if engine.settings.weight_update_mode == "reject":
+            def unless_generating() -> int:
+                if abort_first:
+                    engine.abort(None, ABORTED_FOR_UPDATE)
+                running = len(engine.scheduler.running)
+                if running and engine.scheduler.paused is None:
+                    raise WeightUpdateRefused(
+                        f"weight update refused: {running} request(s) running and generation not paused "
+                        f"(weight_update_mode=reject); nothing applied, weights stay at version "
+                        f"{engine.weight_version!r}. Pause generation or retry when idle.")
+                return write()
+
+            return engine.call(unless_generating)
+        if abort_first:  # queued just before the write; a request admitted in between is waited for
+            engine.call(lambda: engine.abort(None, ABORTED_FOR_UPDATE))
+        return engine.call_when_idle(write)
 
     def _write(self, checked: dict[str, torch.Tensor], weight_version: str | None) -> int:
         """Engine thread. Returns how many requests were paused across the update."""
