@@ -18,6 +18,23 @@ In hindsight means: a rewrite of the line's history (not an extension, not a ret
 is followed by a call which starts over sharing little with it was a compaction summary,
 and that next call is its continuation. An explicit ``x-gyre-role`` (hint ``role``) always
 wins, and so does the proxy's own classification (hint ``kind``) when it sends one.
+
+The proxy's drift class (``CallRecord.drift``) is read as the proxy defines it
+(``services/proxy/core/tito.py``). ``append``, ``template_drift`` and ``retoken_drift`` all
+say: the call starts right after its parent call's reply, the first call to do so, and its
+input is the parent's whole sequence (the generated ids, whatever the template would
+re-render: the drift is the proxy's business, never the agent's) plus new messages. So
+such a call continues its parent. The token comparison finds that by itself whenever the
+parent is one of its line's recent open ends; when it is not (more conversations
+interleave under one line key than the line keeps ends), the comparison would see a
+rewrite and report an ``edit`` or a compaction that did not happen. Then, if the parent is
+a call of the same line that no earlier call of the line extends (what "the first to
+continue it" means in the tree), the call is labelled a continuation of its parent
+(``CallLabel.by_drift``). Records that contradict the drift class (the parent already
+extended, another line's parent, a shorter prefix) leave the comparison's answer. ``fork``
+(a retry, an edit, a compaction, a new conversation, or a second continuation of one
+reply, e.g. the main agent after a fork sub-agent's first call) and ``fresh`` add nothing
+the token paths do not say: the tree decides which fork, if any, the call makes.
 """
 
 from __future__ import annotations
@@ -31,6 +48,10 @@ from .records import ROLES, BranchRole, CallRecord, ForkType, line_role, summary
 from .tree import TrajectoryTree
 
 Relation = Literal["first", "extend", "retry", "rewrite"]
+
+# Drift classes of a call that continues right after its parent's reply, the first to do so
+# (libs/common/events/calls.py DriftClass; the proxy reuses the generated ids in all three).
+CONTINUES_PARENT: frozenset[str] = frozenset({"append", "template_drift", "retoken_drift"})
 
 
 @dataclass(frozen=True)
@@ -110,6 +131,7 @@ class CallLabel:
     position: int = 0  # token depth where it parts from ``forked_from``
     forked_from: int | None = None  # call index
     previous: int | None = None  # the call of its line it was compared with
+    by_drift: bool = False  # relation taken from the proxy's drift class (it continues its parent)
 
 
 @dataclass
@@ -120,6 +142,7 @@ class _Line:
     system_digest: str | None = None
     tools_digest: str | None = None
     ends: list[int] = field(default_factory=list)  # recent calls no later call extends
+    extended: set[int] = field(default_factory=set)  # calls a later call of the line extends
 
 
 def classify_calls(tree: TrajectoryTree, rules: HarnessRules) -> list[CallLabel]:
@@ -128,16 +151,24 @@ def classify_calls(tree: TrajectoryTree, rules: HarnessRules) -> list[CallLabel]
     line_of: list[_Line] = []
     prev_of: list[int | None] = []
     relation: list[tuple[Relation, int]] = []  # (relation to previous call of line, shared)
+    by_drift: set[int] = set()
     for c, call in enumerate(tree.calls):
         line = _line_for(call, rules, lines)
         prev, rel = _previous(tree, c, line)
+        if rel[0] == "rewrite":
+            parent = _continued_parent(tree, c, line, line_of)
+            if parent is not None:  # an end of its line that c continues, gone from line.ends
+                prev, rel = parent, ("extend", tree.call_length(parent))
+                by_drift.add(c)
+        if rel[0] == "extend" and prev is not None:
+            line.extended.add(prev)
         relation.append(rel)
         line.calls.append(c)
         line_of.append(line)
         prev_of.append(prev)
     summaries = _find_summaries(tree, rules, lines, relation)
     return [
-        _label(tree, rules, c, line_of[c], prev_of[c], relation[c], summaries)
+        _label(tree, rules, c, line_of[c], prev_of[c], relation[c], summaries, c in by_drift)
         for c in range(len(tree.calls))
     ]
 
@@ -194,6 +225,20 @@ def _previous(tree: TrajectoryTree, c: int, line: _Line) -> tuple[int | None, tu
     return prev, _relation(tree, c, prev)
 
 
+def _continued_parent(tree: TrajectoryTree, c: int, line: _Line, line_of: list[_Line]) -> int | None:
+    """The call c continues by the proxy's word: its parent, when its drift class says it
+    starts right after the parent's reply and the records agree (the parent is a call of
+    c's line that no earlier call of the line extends, and c's input holds its whole
+    sequence). Else None: the tree's comparison stands."""
+    call = tree.calls[c]
+    if call.drift not in CONTINUES_PARENT or call.parent_call_id is None:
+        return None
+    parent = tree.index.get(call.parent_call_id)
+    if parent is None or parent >= c or line_of[parent] is not line or parent in line.extended:
+        return None
+    return parent if call.prefix_len == tree.call_length(parent) else None
+
+
 def _relation(tree: TrajectoryTree, c: int, prev: int | None) -> tuple[Relation, int]:
     if prev is None:
         return "first", tree.placements[c].graft_depth
@@ -237,7 +282,8 @@ def _summaries_in_hindsight(tree, rules, calls: list[int], relation) -> set[int]
     return found
 
 
-def _label(tree, rules, c, line: _Line, prev: int | None, rel, summaries: set[int]) -> CallLabel:
+def _label(tree, rules, c, line: _Line, prev: int | None, rel, summaries: set[int],
+           by_drift: bool = False) -> CallLabel:
     call = tree.calls[c]
     kind, shared = rel
     role: BranchRole = summary_role(line.role) if c in summaries else line.role
@@ -264,8 +310,8 @@ def _label(tree, rules, c, line: _Line, prev: int | None, rel, summaries: set[in
         )
         fork = "compaction" if c in summaries or continues else "edit"
     if fork is None:
-        return CallLabel(c, call.call_id, line.key, role, kind, previous=prev)
-    return CallLabel(c, call.call_id, line.key, role, kind, fork, shared, forked_from, prev)
+        return CallLabel(c, call.call_id, line.key, role, kind, previous=prev, by_drift=by_drift)
+    return CallLabel(c, call.call_id, line.key, role, kind, fork, shared, forked_from, prev, by_drift)
 
 
 def _has_marker(tokens: Sequence[int], markers: Sequence[Sequence[int]]) -> bool:

@@ -254,7 +254,9 @@ class TrajectoryLedger:
 
 
 def tree_summary(state: RolloutState, sealed: SealedTree) -> bytes:
-    """The JSON a ``gyre tree show`` reads: forks, roles, branches, selection, score."""
+    """The JSON a ``gyre tree show`` reads: forks, roles, branches, selection, score. Per
+    call also the proxy's drift class and ``by_drift`` (its relation was taken from that
+    class, see ``forks.py``): ``ForkDetected`` has no field for why a call was labelled."""
     tree = state.tree.tree
     chosen = {b.call_id for b in sealed.selected}
     doc = {
@@ -264,6 +266,7 @@ def tree_summary(state: RolloutState, sealed: SealedTree) -> bytes:
         "flattened_tokens": tree.n_flattened_tokens(),
         "calls": [{"call_id": lab.call_id, "line": lab.lineage, "role": lab.role,
                    "relation": lab.relation, "fork": lab.fork, "position": lab.position,
+                   "drift": tree.calls[lab.call_index].drift, "by_drift": lab.by_drift,
                    "n_tokens": tree.call_length(lab.call_index),
                    "delivered": tree.calls[lab.call_index].delivered} for lab in sealed.labels],
         "branches": [{"call_id": b.call_id, "role": b.role, "n_tokens": b.n_tokens,

@@ -2,15 +2,32 @@
 
 The lead registers ``SPEC`` in ``gyre/services.py``. Options (from the command line, or
 from ``GYRE_TRAJECTORY_<OPTION>`` variables, which is how ``gyre up`` passes the run
-config's ``loss.sample_budget`` and ``trainer.micro_step_tokens``): ``budget``, ``seed``,
-``micro_step_tokens``, ``max_piece_tokens``, ``group_size``, ``train_undelivered``,
-``advantage_scale`` (``std`` | ``none``).
+config's ``loss.sample_budget``, ``trainer.micro_step_tokens`` and ``model.name``):
+``budget``, ``seed``, ``micro_step_tokens``, ``max_piece_tokens``, ``group_size``,
+``train_undelivered``, ``advantage_scale`` (``std`` | ``none``), ``model``.
+
+The policy tokenizer. The service tokenises Claude Code's compaction texts with the
+tokenizer the proxy renders with, so that a compaction summary is recognised by its
+instruction tokens when it arrives, not only in hindsight (once a continuation follows
+it; a summary that none follows, e.g. at a timeout, is otherwise an ``edit``). The model
+is found as the proxy finds it: option ``model``, else ``GYRE_MODEL`` (``gyre up`` sets
+both to the run config's ``model.name``), else ``tiny-qwen``, the proxy's default;
+``services.engine.model_store.resolve_model`` turns the name into a folder and
+``AutoTokenizer`` loads it, once per process. If it cannot be loaded the service does not
+stop: it logs a warning and reports ``compaction_markers: false`` with the reason in its
+health detail, and classifies with the hindsight rules (and the proxy's ``kind`` hints).
+The proxy itself cannot serve without that tokenizer, so a missing model stops the run
+there, with its own error.
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
+import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from libs.common.service import ServiceContext, ServiceSpec
@@ -20,6 +37,51 @@ from .forks import (CLAUDE_CODE_CONTINUATION_TEXTS, CLAUDE_CODE_SUMMARY_TEXTS, H
                     markers_from_texts)
 from .ledger import LedgerConfig
 from .service import create_service
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "tiny-qwen"  # the proxy's default (services/proxy/main.py)
+
+
+@dataclass(frozen=True)
+class PolicyTokenizer:
+    """The policy's tokenizer as the service holds it: ``encode`` or why there is none."""
+
+    model: str
+    encode: Callable[[str], Sequence[int]] | None = None
+    folder: str | None = None
+    error: str | None = None
+
+    def health(self) -> dict[str, Any]:
+        if self.encode is None:
+            return {"tokenizer": self.model, "compaction_markers": False, "tokenizer_error": self.error}
+        return {"tokenizer": self.folder or self.model, "compaction_markers": True}
+
+
+def policy_model(options: Mapping[str, Any], environ: Mapping[str, str]) -> str:
+    """The model whose tokenizer the proxy renders with (see the module's docstring)."""
+    return str(options.get("model") or environ.get("GYRE_MODEL") or DEFAULT_MODEL)
+
+
+@functools.lru_cache(maxsize=8)
+def load_policy_tokenizer(model: str) -> PolicyTokenizer:
+    """Loads ``model``'s tokenizer the way the proxy does (once per process and model);
+    never raises: a failure comes back as ``error``."""
+    try:
+        from transformers import AutoTokenizer
+
+        from services.engine.model_store import resolve_model
+
+        location = resolve_model(model)
+        kwargs = {"gguf_file": location.gguf_file} if location.gguf_file else {}
+        tokenizer = AutoTokenizer.from_pretrained(str(location.folder), **kwargs)
+    except Exception as exc:  # a missing folder, a broken tokenizer, no transformers
+        return PolicyTokenizer(model, error=f"{type(exc).__name__}: {exc}")
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)  # as the proxy's renderer encodes
+
+    return PolicyTokenizer(model, encode, str(location.folder))
 
 
 def harness_rules(encode: Callable[[str], Sequence[int]] | None = None) -> dict:
@@ -36,6 +98,12 @@ def harness_rules(encode: Callable[[str], Sequence[int]] | None = None) -> dict:
 
 def ledger_config(run_id: str, options: dict[str, Any],
                   encode: Callable[[str], Sequence[int]] | None = None) -> LedgerConfig:
+    """The service's configuration. Without ``encode``, an option ``model`` (a replay or
+    ``gyre tree show`` gets it from the run config, as the live service did) loads that
+    model's tokenizer; without either, compaction is recognised in hindsight only."""
+    if encode is None and options.get("model"):
+        encode = load_policy_tokenizer(str(options["model"])).encode
+
     def opt(name, cast, default):
         value = options.get(name)
         return default if value is None else cast(value)
@@ -58,15 +126,17 @@ def _flag(value: Any) -> bool:
 
 
 OPTIONS = ("budget", "seed", "micro_step_tokens", "max_piece_tokens", "group_size", "train_undelivered",
-           "advantage_scale")
+           "advantage_scale", "model")
 
 
 def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
     """The trajectory options a run config sets (``RunConfig.model_dump()``, or the
     ``config`` of ``RunStarted``): what ``gyre up`` passes to the service, and what a replay
     of the run must use to rebuild the same samples and micro-steps."""
-    loss, trainer = config.get("loss") or {}, config.get("trainer") or {}
+    loss, trainer, model = config.get("loss") or {}, config.get("trainer") or {}, config.get("model") or {}
     out: dict[str, Any] = {}
+    if model.get("name"):
+        out["model"] = str(model["name"])  # whose tokenizer gives the compaction markers
     if loss.get("sample_budget") is not None:
         out["budget"] = int(loss["sample_budget"])
     if trainer.get("micro_step_tokens") is not None:
@@ -82,10 +152,18 @@ def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str
 
 
 async def trajectory_main(ctx: ServiceContext) -> None:
-    # TODO(tokenizer): pass the policy tokenizer's encode once libs/common loads it.
-    config = ledger_config(ctx.runtime.settings.run_id, env_options(ctx.options, os.environ))
+    options = env_options(ctx.options, os.environ)
+    tokenizer = await asyncio.to_thread(load_policy_tokenizer, policy_model(options, os.environ))
+    if tokenizer.encode is None:
+        log.warning("trajectory: no policy tokenizer (model %r: %s); Claude Code compactions are recognised "
+                    "in hindsight and by the proxy's hints only, a summary no continuation follows is an edit",
+                    tokenizer.model, tokenizer.error)
+    else:
+        log.info("trajectory: compaction markers from the tokenizer in %s", tokenizer.folder)
+    config = ledger_config(ctx.runtime.settings.run_id, options, tokenizer.encode)
     service = create_service(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs)
-    ctx.health.ok(run_id=config.run_id, budget=config.budget)
+    # "ok" either way: gyre up starts the run only once every service reports "ok"
+    ctx.health.ok(run_id=config.run_id, budget=config.budget, **tokenizer.health())
     await service.run(ctx.stop)
 
 

@@ -99,6 +99,7 @@ class _Rollout:
         self.rng = random.Random(f"{p.seed}:{index}")
         self.rollout_id = f"r{index}"
         self.calls: list[CallRecord] = []
+        self.continued: set[str] = set()  # calls whose reply some call has continued
         self.system = self._content(p.system_tokens, fixed=10)
         self.task = self._content(p.task_tokens, fixed=11)
         self.sub_system = self._content(p.subagent_system_tokens, fixed=12)
@@ -135,11 +136,22 @@ class _Rollout:
             output_logprobs=array("f", [-0.05 - (t % 97) / 40.0 for t in output]),
             parent_call_id=parent, prefix_len=prefix,
             weight_spans=spans, weight_version=version, delivered=delivered,
-            drift="append" if parent else "fresh" if not self.calls else "fork",
+            drift=self._drift(parent),
             finish_reason="stop" if delivered else "abort", hints=line.hints,
         )
         self.calls.append(call)
         return output
+
+    def _drift(self, parent: str | None) -> str:
+        """The proxy's drift class: ``append`` for the first call after a reply (the prefixes
+        are reply boundaries), ``fork`` for a second one (a retry, a summary that drops the
+        last round, the main agent after a fork sub-agent's first call) and for a call that
+        references nothing (``fresh`` when it is the rollout's first)."""
+        if parent is None:
+            return "fork" if self.calls else "fresh"
+        drift = "fork" if parent in self.continued else "append"
+        self.continued.add(parent)
+        return drift
 
     def _turn(self, line: _Line) -> array:
         """One model turn, possibly after a broken attempt that is then sent again."""
