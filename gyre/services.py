@@ -96,17 +96,10 @@ async def runner_main(ctx: ServiceContext) -> None:
 async def trainer_main(ctx: ServiceContext) -> None:
     import os
 
+    from services.trainer.main import env_options
     from services.trainer.main import trainer_main as run
 
-    env = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYRE_TRAINER_BACKEND",
-           "model": "GYRE_MODEL", "lr": "GYRE_TRAINER_LR", "publish_to": "GYRE_TRAINER_PUBLISH_TO",
-           "groups_per_step": "GYRE_TRAINER_GROUPS_PER_STEP", "checkpoint_dir": "GYRE_TRAINER_CHECKPOINT_DIR",
-           "eps_low": "GYRE_TRAINER_EPS_LOW", "eps_high": "GYRE_TRAINER_EPS_HIGH", "tis_cap": "GYRE_TRAINER_TIS_CAP",
-           "kl_coef": "GYRE_TRAINER_KL_COEF", "max_staleness": "GYRE_TRAINER_MAX_STALENESS",
-           "transfer": "GYRE_TRAINER_TRANSFER", "tp": "GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE"}
-    for option, var in env.items():
-        if os.environ.get(var) and option not in ctx.options:
-            ctx.options[option] = os.environ[var]
+    ctx.options.update(env_options(ctx.options, os.environ))
     await run(ctx)
 
 

@@ -4,7 +4,12 @@ Environment: ``GYRE_CELL_NAME`` (required), ``GYRE_CELL_ENGINE_URL`` (the infere
 this cell hosts: an embedded engine or an SGLang server), ``GYRE_PROXY_URL`` (the proxy's
 admin endpoints), ``GYRE_CELL_CORE=1`` for the core cell, ``GYRE_CELL_CAPACITY``
 (concurrent calls, default 8), ``GYRE_MODEL`` (policy weights the training seat loads;
-default ``tiny-qwen``), ``GYRE_ADMIN_TOKEN``.
+default ``tiny-qwen``), ``GYRE_ADMIN_TOKEN``, ``GYRE_CELL_SEAT`` (what the cell hosts while
+it trains: ``satellite``, a trainer replica that claims micro-steps and sends gradients
+to the core, the default for every cell but the core; ``weights``, which only loads the
+policy weights, the default for the core cell, whose optimizer lives in the trainer
+service). A satellite takes the trainer's ``GYRE_TRAINER_*`` options (backend, objective,
+``GYRE_TRAINER_TRANSFER``) so it computes exactly what the core's own worker would.
 """
 
 from __future__ import annotations
@@ -25,29 +30,45 @@ def _require(name: str) -> str:
     return value
 
 
+def training_seat(kind: str, *, name: str, run_id: str, bus, blobs, environ=os.environ):
+    """The seat a cell hosts while it trains (``GYRE_CELL_SEAT``)."""
+    from services.engine.model_store import resolve_model
+
+    if kind == "weights":
+        return WeightsSeat(Path(resolve_model(environ.get("GYRE_MODEL", "tiny-qwen")).folder))
+    if kind == "satellite":
+        from services.trainer.main import env_options, satellite_seat
+
+        return satellite_seat(run_id, name, env_options({}, environ), bus=bus, blobs=blobs)
+    raise ValueError(f"GYRE_CELL_SEAT={kind!r}: expected 'satellite' or 'weights'")
+
+
 async def cell_main(ctx: ServiceContext) -> None:
     from services.engine.client import EngineClient
-    from services.engine.model_store import resolve_model
 
     settings = ctx.runtime.settings
     name = _require("GYRE_CELL_NAME")
     engine_url = _require("GYRE_CELL_ENGINE_URL")
     proxy = ProxyControl(_require("GYRE_PROXY_URL"), settings.admin_token)
     engine = EngineControl(EngineClient(engine_url, admin_token=settings.admin_token, timeout=600))
-    folder = Path(resolve_model(os.environ.get("GYRE_MODEL", "tiny-qwen")).folder)
+    is_core = os.environ.get("GYRE_CELL_CORE") == "1"
+    seat = training_seat(os.environ.get("GYRE_CELL_SEAT", "").strip() or ("weights" if is_core else "satellite"),
+                         name=name, run_id=settings.run_id, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs)
     agent = CellAgent(name=name, run_id=settings.run_id, bus=ctx.runtime.bus, proxy=proxy, engine=engine,
-                      seat=WeightsSeat(folder), engine_url=engine_url,
+                      seat=seat, engine_url=engine_url,
                       capacity=int(os.environ.get("GYRE_CELL_CAPACITY", "8")),
-                      is_core=os.environ.get("GYRE_CELL_CORE") == "1",
+                      is_core=is_core,
                       latest_weights=LatestWeights(ctx.runtime.bus, ctx.runtime.blobs, settings.run_id))
     await agent.register()
     sub = await agent.serve_commands(ctx.runtime.bus.nc)
-    ctx.health.ok(cell=name, role=agent.role, core=agent.is_core)
+    ctx.health.ok(cell=name, role=agent.role, core=agent.is_core, seat=type(seat).__name__)
     agent.on_role = lambda role: ctx.health.detail.update(role=role)  # gyre up shows it live
     try:
         await agent.keep_registered(ctx.stop)
     finally:
         await sub.unsubscribe()
+        if agent.role == "training":  # a satellite stops after its micro-step in hand
+            await seat.leave()
         await proxy.aclose()
 
 

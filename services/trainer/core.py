@@ -35,9 +35,9 @@ from libs.common.events import Context, MicroStepDone, MicroStepQueued, StepAppl
 from .backends.base import PolicyBackend
 from .batch import tree_batch
 from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
-from .step import StepReducer, TrainConfig, compute_micro_step, make_optimizer
+from .step import MicroResult, StepReducer, TrainConfig, compute_micro_step, make_optimizer
 from .transfer import GradientSink
-from .worker import load_samples, result_from_done
+from .worker import load_samples, objective_key, result_from_done
 
 log = logging.getLogger(__name__)
 Publisher = Callable[[int, dict[str, torch.Tensor]], Awaitable[list[str]]]
@@ -127,6 +127,19 @@ class CoreTrainer:
             self.state.consumed["training"] = seq
         if ev.step != self.state.step or ev.micro_step in self.reducer.used:
             return  # an applied step's straggler, or a duplicate
+        theirs = ev.gradient.get("objective")
+        if theirs is not None and theirs != objective_key(self.settings.train):
+            log.error("core: %s from cell %s was computed under %s, not the core's %s (a satellite configured "
+                      "apart from the core?); computes it again", ev.micro_step, ev.cell, theirs,
+                      objective_key(self.settings.train))
+            if ev.micro_step not in self.reducer.dropped:  # recomputed here once its MicroStepQueued is known
+                self.reducer.dropped.append(ev.micro_step)
+            queued = self.plans.get(ev.step, _StepPlan()).queued.get(ev.micro_step)
+            if queued is not None:
+                await self._recompute(queued)
+            self.reducer.rejected.extend(ev.gradient.get("rejected", []))
+            await self._maybe_finish()
+            return
         try:
             result = await result_from_done(ev, self.gradients)
         except Exception as exc:  # lost with a restart, or its sender gone: compute it here instead
@@ -142,12 +155,17 @@ class CoreTrainer:
         await self._maybe_finish()
 
     async def _recompute(self, ev: MicroStepQueued) -> None:
+        """Computes ``ev`` here, at the current version. Its rejected samples were counted
+        from the cell's ``MicroStepDone`` already; with none left it still counts as done
+        (nothing to add), so the step can complete."""
         samples, _ = await load_samples(self.blobs, ev, self.backend.vocab_size, self.state.weight_version, None)
         if samples:
             result = await asyncio.to_thread(compute_micro_step, self.backend, tree_batch(samples),
                                              self.settings.train, micro_step=ev.micro_step,
                                              weight_version=self.state.weight_version)
-            self.reducer.add(result)
+        else:
+            result = MicroResult(ev.micro_step, self.state.weight_version, (), 0.0, 0, 0, {}, None)
+        self.reducer.add(result)
 
     # -------------------------------------------------------------------- the update
     def _complete(self) -> bool:

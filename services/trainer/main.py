@@ -7,7 +7,8 @@ line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
 ``checkpoint_dir``, ``max_staleness``, ``ack_wait_s``, ``transfer`` (``blob`` |
 ``port``: how satellites send gradients; the core reads either), ``publish_to``
 (``cell=url,cell=url``: inference cells to publish weights to), ``publish_mode``
-(``tensor`` | ``disk``).
+(``tensor`` | ``disk``), ``publish_pause`` (``none`` | ``in_place``: pause generation
+around every update; an engine that refuses updates while it generates is paused anyway).
 """
 
 from __future__ import annotations
@@ -38,6 +39,56 @@ def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
              "eps_low": loss.get("clip_low"), "eps_high": loss.get("clip_high"), "kl_coef": loss.get("kl_coef"),
              "tis_cap": loss.get("tis_cap")}
     return {k: v for k, v in pairs.items() if v is not None}
+
+
+ENV = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYRE_TRAINER_BACKEND",
+       "model": "GYRE_MODEL", "lr": "GYRE_TRAINER_LR", "publish_to": "GYRE_TRAINER_PUBLISH_TO",
+       "groups_per_step": "GYRE_TRAINER_GROUPS_PER_STEP", "checkpoint_dir": "GYRE_TRAINER_CHECKPOINT_DIR",
+       "eps_low": "GYRE_TRAINER_EPS_LOW", "eps_high": "GYRE_TRAINER_EPS_HIGH", "tis_cap": "GYRE_TRAINER_TIS_CAP",
+       "kl_coef": "GYRE_TRAINER_KL_COEF", "max_staleness": "GYRE_TRAINER_MAX_STALENESS",
+       "transfer": "GYRE_TRAINER_TRANSFER", "tp": "GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE",
+       "ack_wait_s": "GYRE_TRAINER_ACK_WAIT_S", "publish_mode": "GYRE_TRAINER_PUBLISH_MODE",
+       "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE"}
+
+
+def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """``options`` plus each trainer variable of ``ENV`` that is set and not given already
+    (how ``gyre up``, compose, Helm and systemd configure a trainer or a cell's satellite)."""
+    extra = {k: environ[v] for k, v in ENV.items() if environ.get(v) and k not in options}
+    return {**options, **extra}
+
+
+def worker_settings(run_id: str, cell: str, options: dict[str, Any]):
+    from .worker import WorkerSettings
+
+    return WorkerSettings(run_id, cell, train_config(options), max_staleness=_opt(options, "max_staleness", int, None),
+                          ack_wait_s=_opt(options, "ack_wait_s", float, 600.0))
+
+
+def satellite_seat(run_id: str, cell: str, options: dict[str, Any], *, bus, blobs):
+    """The training seat of a non-core cell: a satellite replica built from the run's
+    trainer options (backend, model, objective), sending gradients over the blob store, or
+    the shared transfer port with ``transfer: port``."""
+    from .seat import SatelliteSeat
+    from .transfer import BlobTransfer
+
+    gradients = _port_transfer() if _opt(options, "transfer", str, "blob") == "port" else BlobTransfer(blobs)
+    return SatelliteSeat(worker_settings(run_id, cell, options), lambda: build_backend(options), bus, blobs,
+                         gradients, warm_up=lambda: _import_model_code(options))
+
+
+def _import_model_code(options: dict[str, Any]) -> None:
+    """transformers imports an architecture's module on the first model built (~1.3 s for
+    Qwen2); resolving the class here imports it ahead of the first switch."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from services.engine.model_store import resolve_model
+
+    from .backends import torch_hf  # noqa: F401
+
+    folder = resolve_model(_opt(options, "model", str, "tiny-qwen")).folder
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(folder)))]
 
 
 def train_config(options: dict[str, Any]) -> TrainConfig:
@@ -110,13 +161,14 @@ def _publisher(options: dict[str, Any], admin_token: str | None, run_dir: Path):
         clients[cell.strip()] = EngineClient(url.strip(), admin_token=admin_token)
     folder = resolve_model(_opt(options, "model", str, "tiny-qwen")).folder
     return EnginePublisher(clients, mode=_opt(options, "publish_mode", str, "tensor"),
+                           pause=_opt(options, "publish_pause", str, "none"),
                            folder=run_dir / "trainer" / "published", hf_config=folder / "config.json")
 
 
 async def trainer_main(ctx: ServiceContext) -> None:
     from .core import CoreSettings, CoreTrainer, CoreWeightSource
     from .transfer import BlobTransfer, InProcessTransfer, RoutedTransfer
-    from .worker import BusWeightSource, MicroStepWorker, WorkerSettings
+    from .worker import BusWeightSource, MicroStepWorker
 
     rt, options = ctx.runtime, ctx.options
     run_id, role = rt.settings.run_id, _opt(options, "role", str, "core")
@@ -125,10 +177,9 @@ async def trainer_main(ctx: ServiceContext) -> None:
     blob = BlobTransfer(rt.blobs)
     port = _port_transfer() if _opt(options, "transfer", str, "blob") == "port" else None
     gradients = port or blob
-    worker_settings = WorkerSettings(run_id, cell, train, max_staleness=_opt(options, "max_staleness", int, None),
-                                     ack_wait_s=_opt(options, "ack_wait_s", float, 600.0))
+    settings_w = worker_settings(run_id, cell, options)
     if role == "satellite":
-        worker = MicroStepWorker(worker_settings, await asyncio.to_thread(build_backend, options), bus=rt.bus,
+        worker = MicroStepWorker(settings_w, await asyncio.to_thread(build_backend, options), bus=rt.bus,
                                  blobs=rt.blobs, gradients=gradients,
                                  weights=BusWeightSource(rt.bus, rt.blobs, run_id))
         ctx.health.ok(role=role, cell=cell)
@@ -141,7 +192,7 @@ async def trainer_main(ctx: ServiceContext) -> None:
     core = CoreTrainer(settings, await asyncio.to_thread(build_backend, options), bus=rt.bus, blobs=rt.blobs,
                        gradients=RoutedTransfer(gradients, memory=local, blob=blob, port=port or _port_transfer()),
                        publish=publisher)
-    worker = MicroStepWorker(worker_settings, await asyncio.to_thread(build_backend, options), bus=rt.bus,
+    worker = MicroStepWorker(settings_w, await asyncio.to_thread(build_backend, options), bus=rt.bus,
                              blobs=rt.blobs, gradients=local, weights=CoreWeightSource(core))
     ctx.health.ok(role=role, cell=cell, checkpoints=str(checkpoints))
     try:

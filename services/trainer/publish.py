@@ -7,6 +7,14 @@ an HF folder (safetensors + the model's ``config.json``) and each cell loads it 
 ``/update_weights_from_disk``. Running rollouts go on: the engine applies an update
 between forward steps and every output token keeps the version that produced it.
 
+Generation during an update: with ``pause="none"`` (the default) the engine's own
+``weight_update_mode`` decides (the embedded engine's ``wait`` holds new requests until the
+running ones finish; SGLang applies between steps). An engine in ``reject`` mode refuses an
+update while it generates; the publisher then pauses it in place, sends the update again and
+continues generation (the running requests keep their KV and go on under the new version,
+each token tagged with the version that produced it). ``pause="in_place"`` does that for
+every update (SGLang's pause / update / continue flow).
+
 ``distributed``: the core hosts a gloo broadcast group (rank 0; each cell joins with
 ``/init_weights_update_group`` on the first publication) and broadcasts every tensor
 while each cell receives it through ``/update_weights_from_distributed`` (SGLang's
@@ -29,6 +37,11 @@ import torch
 log = logging.getLogger(__name__)
 
 
+def _refused_while_generating(exc: BaseException) -> bool:
+    """The engine's ``weight_update_mode=reject`` refused: requests were running, not paused."""
+    return getattr(exc, "status", None) == 400 and "weight update refused" in str(getattr(exc, "message", ""))
+
+
 def _released(exc: BaseException) -> bool:
     """The engine refused because its memory is released (SGLang's ``release_memory_occupation``)."""
     return getattr(exc, "status", None) == 400 and "weights are released" in str(getattr(exc, "message", ""))
@@ -43,6 +56,7 @@ class EnginePublisher:
     master_address: str = "127.0.0.1"  # distributed mode: where the core hosts the group
     master_port: int = 0  # 0: a free port
     group_name: str = "gyre-weights"
+    pause: Literal["none", "in_place"] = "none"  # tensor / disk: pause generation around every update
     _group: object = field(default=None, repr=False)
     _store: object = field(default=None, repr=False)
 
@@ -64,6 +78,25 @@ class EnginePublisher:
         return done
 
     async def _send(self, client, version: int, weights: dict[str, torch.Tensor], path: Path | None) -> None:
+        if self.pause == "in_place":
+            await self._paused(client, version, weights, path)
+            return
+        try:
+            await self._update(client, version, weights, path)
+        except Exception as exc:
+            if not _refused_while_generating(exc):
+                raise
+            log.info("v%d refused while the engine generates: pausing it in place for the update", version)
+            await self._paused(client, version, weights, path)
+
+    async def _paused(self, client, version: int, weights: dict[str, torch.Tensor], path: Path | None) -> None:
+        await client.pause("in_place")
+        try:
+            await self._update(client, version, weights, path)
+        finally:
+            await client.resume_generation()
+
+    async def _update(self, client, version: int, weights: dict[str, torch.Tensor], path: Path | None) -> None:
         tag = str(version)
         if path is not None:
             await client.update_weights_from_disk(str(path), weight_version=tag)
@@ -93,7 +126,7 @@ class EnginePublisher:
         return target
 
     async def _broadcast(self, version: int, weights: dict[str, torch.Tensor]) -> list[str]:
-        """All cells or none: a broadcast group fails as a whole."""
+        """The cells that applied the version (a failed broadcast: none; the core goes on)."""
         from services.engine.weights import broadcast_rank0
 
         if self._group is None:
@@ -109,8 +142,17 @@ class EnginePublisher:
 
         receives = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name,
                                                       weight_version=str(version)) for c in self.clients.values()]
-        await asyncio.gather(asyncio.to_thread(send), *receives)
-        return list(self.clients)
+        sent, *received = await asyncio.gather(asyncio.to_thread(send), *receives, return_exceptions=True)
+        if isinstance(sent, BaseException):  # the group itself failed: no cell has this version
+            log.error("broadcasting v%d failed: %r", version, sent)
+            return []
+        done = []
+        for cell, answer in zip(self.clients, received):  # a cell may refuse (e.g. reject mode) or fail alone
+            if isinstance(answer, BaseException):
+                log.warning("v%d broadcast but not applied on %s: %r", version, cell, answer)
+            else:
+                done.append(cell)
+        return done
 
     async def close(self) -> None:
         """Leaves the broadcast group on every cell and here (distributed mode)."""

@@ -2,15 +2,20 @@
 to training, ``leave`` when it switches back (the shape of ``services.cell.adapters``'
 ``TrainingSeat``).
 
-``join`` builds the policy model once per seat (kept between switches, so a second
-switch costs only the weight pull) and starts a :class:`MicroStepWorker` on the work
-queue; ``leave`` stops it after the micro-step in hand (an unacked claim would simply be
-delivered to another cell).
+``join`` builds the policy model, pulls the newest published weights into it (the
+switch's ``joining`` phase pays for that, not the first claim) and starts a
+:class:`MicroStepWorker` on the work queue, so the cell claims micro-steps of the step in
+progress (it joins mid-batch). ``leave`` stops the worker after the micro-step in hand (a
+claim still waiting for weights goes back to the queue for another cell) and, unless
+``keep_model`` is set, drops the model: a cell going back to inference needs the memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +26,8 @@ from .backends.base import PolicyBackend
 from .transfer import TensorTransfer
 from .worker import BusWeightSource, MicroStepWorker, WorkerSettings
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class SatelliteSeat:
@@ -29,32 +36,72 @@ class SatelliteSeat:
     bus: EventBus
     blobs: BlobStore
     gradients: TensorTransfer
+    keep_model: bool = False  # keep the built model between switches (costs memory while serving)
+    warm_up: Callable[[], None] | None = None  # run once at agent start (imports), never during a switch
     backend: PolicyBackend | None = None
     worker: MicroStepWorker | None = None
+    joins: int = 0
+    micro_steps_done: list[str] = field(default_factory=list)  # over every join
+    last_join: dict[str, float] = field(default_factory=dict)  # build_s, pull_s, version
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task | None = None
 
+    async def prepare(self) -> None:
+        """At agent start: import the model code once (as a long-lived trainer has), so a
+        first switch does not pay for it. No model is built, no memory held."""
+        if self.warm_up is not None:
+            await asyncio.to_thread(self.warm_up)
+
     async def join(self, weight_version: int) -> None:
-        if self._task is not None:
+        if self._task is not None and not self._task.done():
             return
-        if self.backend is None:
-            self.backend = await asyncio.to_thread(self.build_backend)
-        weights = BusWeightSource(self.bus, self.blobs, self.settings.run_id)
-        self.worker = MicroStepWorker(self.settings, self.backend, bus=self.bus, blobs=self.blobs,
-                                      gradients=self.gradients, weights=weights)
+        self._task = None  # a worker that ended (crashed) is replaced
+        start = time.monotonic()
+        try:
+            if self.backend is None:
+                self.backend = await asyncio.to_thread(self.build_backend)
+            built = time.monotonic()
+            weights = BusWeightSource(self.bus, self.blobs, self.settings.run_id)
+            worker = MicroStepWorker(self.settings, self.backend, bus=self.bus, blobs=self.blobs,
+                                     gradients=self.gradients, weights=weights)
+            newest = await weights.newest()
+            version = -1
+            if newest is not None:  # the core has published: hold its newest weights before claiming
+                version, state = newest
+                await asyncio.to_thread(self.backend.load_hf_state_dict, state)
+                worker.version = version  # (a newer one published meanwhile is pulled at the next claim)
+        except BaseException:
+            self._free()  # a failed join holds no memory: the cell goes back to serving
+            raise
+        self.last_join = {"build_s": built - start, "pull_s": time.monotonic() - built, "version": float(version)}
+        self.worker, self.joins = worker, self.joins + 1
         self._stop = asyncio.Event()
-        self._task = asyncio.create_task(self.worker.run(self._stop))
+        self._task = asyncio.create_task(worker.run(self._stop))
+        log.info("satellite %s joined training at v%d (model %.2fs, weights %.2fs)", self.settings.cell, version,
+                 self.last_join["build_s"], self.last_join["pull_s"])
 
     async def leave(self) -> None:
-        if self._task is None:
-            return
-        self._stop.set()
-        await asyncio.gather(self._task, return_exceptions=True)
-        self._task = None
+        if self._task is not None:
+            self._stop.set()
+            results = await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+            if self.worker is not None:
+                self.micro_steps_done.extend(self.worker.done)
+            if isinstance(results[0], BaseException):
+                log.error("satellite %s: worker ended with %r", self.settings.cell, results[0])
+            log.info("satellite %s left training (%d micro-steps over %d joins)", self.settings.cell,
+                     len(self.micro_steps_done), self.joins)
+        if not self.keep_model:
+            self._free()
+            await asyncio.to_thread(gc.collect)
+
+    def _free(self) -> None:
+        self.backend, self.worker = None, None
 
     @property
     def joined(self) -> bool:
         return self._task is not None and not self._task.done()
 
     def stats(self) -> dict[str, Any]:
-        return {"joined": self.joined, "micro_steps_done": list(self.worker.done) if self.worker else []}
+        done = self.micro_steps_done + (list(self.worker.done) if self.worker is not None and self._task else [])
+        return {"joined": self.joined, "joins": self.joins, "micro_steps_done": done}

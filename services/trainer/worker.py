@@ -65,6 +65,16 @@ class BusWeightSource:
         ev = await self._last()
         return -1 if ev is None else ev.weight_version
 
+    async def newest(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest published version and its weights, read from one event (no race with
+        a publication in between); None before the first."""
+        from safetensors.torch import load
+
+        ev = await self._last()
+        if ev is None or ev.checkpoint_digest is None:
+            return None
+        return ev.weight_version, load(await self.blobs.get(ev.checkpoint_digest))
+
     async def fetch(self, version: int) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
 
@@ -167,7 +177,8 @@ class MicroStepWorker:
 
     async def _done_event(self, ev: MicroStepQueued, result: MicroResult | None,
                           rejected: list[dict[str, str]]) -> MicroStepDone:
-        descriptor: dict[str, Any] = {"rejected": rejected, "executions": [], "stats": {}, "finite": True}
+        descriptor: dict[str, Any] = {"rejected": rejected, "executions": [], "stats": {}, "finite": True,
+                                      "objective": objective_key(self.settings.train)}
         loss, n_tokens = 0.0, 0
         if result is not None:
             descriptor.update(executions=list(result.executions), stats=result.stats,
@@ -181,6 +192,13 @@ class MicroStepWorker:
         return MicroStepDone(**ev.caused(step=ev.step, micro_step=ev.micro_step, cell=self.settings.cell,
                                          weight_version=self.version, n_tokens=n_tokens, loss=loss,
                                          gradient=descriptor))
+
+
+def objective_key(train: TrainConfig) -> str:
+    """What a gradient depends on besides the weights and samples: the clip range, the TIS
+    cap and the KL coefficient. A core adds only gradients computed under its own."""
+    o = train.objective
+    return f"eps_low={o.eps_low!r} eps_high={o.eps_high!r} tis_cap={o.tis_cap!r} kl_coef={o.kl_coef!r}"
 
 
 async def result_from_done(ev: MicroStepDone, gradients: GradientSink) -> MicroResult:

@@ -172,3 +172,78 @@ def test_weights_seat_prepare_imports_the_architecture_without_loading_weights(m
             "print('transformers.models.qwen2.modeling_qwen2' in sys.modules, s.model is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.split()[-2:] == ["True", "True"]
+
+
+async def test_a_cell_in_training_hosts_a_satellite_that_claims_micro_steps(proxy, engines, model_dir) -> None:
+    """The default seat of a non-core cell: switched to training it pulls the core's newest
+    weights, claims the step's micro-steps and sends gradients the core applies; switched
+    back it hands the seat back and serves again, with every session going on."""
+    import asyncio
+
+    from libs.common.events import MicroStepClaimed, MicroStepDone, MicroStepQueued, StepApplied
+    from services.cell.main import training_seat
+    from services.trainer.backends.torch_hf import TorchBackend
+    from services.trainer.core import CoreSettings, CoreTrainer
+    from services.trainer.seat import SatelliteSeat
+    from services.trainer.step import TrainConfig
+    from services.trainer.transfer import BlobTransfer
+    from services.trajectory.codec import encode_packed
+    from tests.trainer.samples import two_branch_tree, workload_samples
+
+    env = {"GYRE_MODEL": str(model_dir), "GYRE_TRAINER_LR": "1e-3"}
+    seat = training_seat("satellite", name="e1", run_id="ptest", bus=proxy.bus, blobs=proxy.blobs, environ=env)
+    assert isinstance(seat, SatelliteSeat) and seat.settings.train.lr == 1e-3
+    core = CoreTrainer(CoreSettings("ptest", "e0", TrainConfig(lr=1e-3)), TorchBackend.from_pretrained(model_dir),
+                       bus=proxy.bus, blobs=proxy.blobs, gradients=BlobTransfer(proxy.blobs))
+    stop = asyncio.Event()
+    core_task = asyncio.create_task(core.run(stop))  # publishes v0; no worker of its own here
+    try:
+        from services.trainer.worker import BusWeightSource
+
+        source = BusWeightSource(proxy.bus, proxy.blobs, "ptest")
+        for _ in range(600):
+            if await source.current_version() >= 0:
+                break
+            await asyncio.sleep(0.1)
+        agents = await setup_cells(proxy, engines, model_dir, seat_for_e1=seat)
+        await seat.prepare()
+        base = await proxy.rollout("cell-sat")
+        histories = [[{"role": "user", "content": f"task {i}"}] for i in range(4)]
+        await talk(base, histories)
+        rec = await agents[1].switch("training")
+        assert rec.ok and seat.joined and seat.last_join["version"] == 0.0
+        vocab = core.backend.vocab_size
+        samples = [(workload_samples(vocab)[0], 1.0), (two_branch_tree("rx"), -1.0)]
+        digests = [await proxy.blobs.put(encode_packed(p)) for p, _ in samples]
+        await proxy.bus.publish_many([
+            MicroStepQueued(run_id="ptest", step=0, micro_step=f"s0-m{k}", group_id="g0",
+                            sample_digests=[digests[k]], advantages=[samples[k][1]], n_tokens=1,
+                            micro_steps_in_step=2) for k in range(2)])
+        await talk(base, histories)  # sessions go on, on e0, while e1 trains
+
+        async def applied():
+            while core.state.weight_version < 1:
+                await asyncio.sleep(0.05)
+        await asyncio.wait_for(applied(), 120)
+        rec = await agents[1].switch("inference")
+        assert rec.ok and not seat.joined and seat.backend is None  # the model's memory is given back
+        assert sorted(seat.stats()["micro_steps_done"]) == ["s0-m0", "s0-m1"]
+        await talk(base, histories)
+    finally:
+        await seat.leave()
+        stop.set()
+        await core_task
+    training = [d.event async for d in proxy.bus.read(Context.TRAINING)]
+    assert {e.cell for e in training if isinstance(e, (MicroStepClaimed, MicroStepDone))} == {"e1"}
+    steps = [e for e in training if isinstance(e, StepApplied)]
+    assert [(e.step, sorted(e.micro_steps_used)) for e in steps] == [(0, ["s0-m0", "s0-m1"])]
+    assert all(e.gradient["transfer"]["kind"] == "blob" for e in training if isinstance(e, MicroStepDone))
+
+
+def test_the_seat_follows_gyre_cell_seat(model_dir) -> None:
+    from services.cell.main import training_seat
+
+    env = {"GYRE_MODEL": str(model_dir)}
+    assert isinstance(training_seat("weights", name="c0", run_id="r", bus=None, blobs=None, environ=env), WeightsSeat)
+    with pytest.raises(ValueError, match="GYRE_CELL_SEAT='gpu'"):
+        training_seat("gpu", name="c0", run_id="r", bus=None, blobs=None, environ=env)

@@ -105,3 +105,38 @@ def test_distributed_publication_over_gloo(engine, tmp_path):
     served = service.engine.call(lambda: service.weights.params["model.norm.weight"].detach().clone()).result(60)
     assert torch.equal(served, state["model.norm.weight"])
     assert str(service.engine.weight_version) == "5"
+
+
+async def test_an_engine_that_refuses_updates_while_generating_is_paused_in_place(tmp_path):
+    """``weight_update_mode=reject``: the first try is refused (a request is running); the
+    publisher pauses generation in place, updates, continues. The running request finishes
+    with its tokens tagged by the version that produced them."""
+    import asyncio
+
+    from services.engine.client import EngineClient
+    from services.engine.main import build
+    from services.engine.model_store import default_cache_dir, ensure_tiny_qwen
+    from services.engine.settings import EngineSettings
+
+    folder = ensure_tiny_qwen(default_cache_dir())
+    service = build(EngineSettings(model="tiny-qwen", admin_token="secret", weight_update_mode="reject"))
+    try:
+        client = EngineClient("http://engine", admin_token="secret", transport=httpx.ASGITransport(app=service.app))
+        trainer = TorchBackend.from_pretrained(folder)
+        with torch.no_grad():
+            trainer.model.model.norm.weight.add_(0.5)
+        running = asyncio.create_task(client.generate(list(range(7100, 7140)), {
+            "max_new_tokens": 600, "temperature": 0, "ignore_eos": True}))
+        for _ in range(2000):
+            if service.engine.scheduler.running and service.engine.steps > 0:
+                break
+            await asyncio.sleep(0.01)
+        publish = EnginePublisher({"cell-a": client})
+        assert await publish(5, trainer.hf_state_dict()) == ["cell-a"]
+        out = await running
+        versions = [run["version"] for run in out["meta_info"]["weight_versions"]]
+        assert versions == ["0", "5"] and len(out["output_ids"]) == 600
+        assert str((await client.model_info()).get("weight_version")) == "5"
+        await client.aclose()
+    finally:
+        service.close()

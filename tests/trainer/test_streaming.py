@@ -155,6 +155,35 @@ async def test_stale_gradient_is_dropped_and_recomputed(js_bus, tmp_path, order)
     assert _same_weights(core.backend, _reference_one_step(steps[0])) < 1e-6
 
 
+async def test_a_gradient_under_another_objective_is_recomputed_by_the_core(js_bus, tmp_path):
+    """A satellite configured apart from the core (another clip range) must not bend the
+    step: the core recomputes that micro-step under its own objective."""
+    from dataclasses import replace
+
+    from services.trainer.objective import ObjectiveConfig
+    from services.trainer.worker import objective_key
+
+    blobs = MemoryBlobStore()
+    core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    await core.start()
+    steps = _steps()
+    await _queue(js_bus, blobs, 0, steps[0])
+    for d in [d async for d in js_bus.read(Context.TREES)]:
+        await core.on_queued(d.event)
+    grads = BlobTransfer(blobs)
+    other = replace(CONFIG, objective=ObjectiveConfig(eps_low=0.5, eps_high=0.5))
+    for k, config in ((0, other), (1, CONFIG)):
+        res = compute_micro_step(core.backend, tree_batch([steps[0][k]]), config, micro_step=f"s0-m{k}")
+        desc = {"transfer": await grads.put({"gradient": res.gradient}), "executions": list(res.executions),
+                "stats": res.stats, "finite": True, "rejected": [], "objective": objective_key(config)}
+        await core.on_done(MicroStepDone(run_id=RUN, step=0, micro_step=f"s0-m{k}", cell="sat", weight_version=0,
+                                         n_tokens=1, loss=res.loss_sum, gradient=desc))
+    assert core.state.weight_version == 1
+    applied = (await _events(js_bus, Context.TRAINING, StepApplied))[0]
+    assert applied.micro_steps_dropped == ["s0-m0"] and sorted(applied.micro_steps_used) == ["s0-m0", "s0-m1"]
+    assert _same_weights(core.backend, _reference_one_step(steps[0])) < 1e-6
+
+
 def _reference_one_step(samples):
     backend = TorchBackend.tiny(TINY)
     opt = make_optimizer(backend, CONFIG)
@@ -287,3 +316,27 @@ async def test_satellite_seat_joins_trains_and_leaves(js_bus, tmp_path):
     assert not seat.joined
     stop.set()
     await core_task
+
+
+async def test_a_failed_satellite_join_holds_no_model():
+    """The cell rolls back to inference when a join fails: the seat must not keep the
+    model it built (fault injected: the log cannot be read)."""
+    from services.trainer.seat import SatelliteSeat
+    from services.trainer.worker import WorkerSettings
+
+    class Unreachable:
+        async def last_on_subject(self, context, subject):
+            raise ConnectionError("nats unreachable")
+
+    built = []
+
+    def build():
+        built.append(TorchBackend.tiny(TINY))
+        return built[-1]
+
+    blobs = MemoryBlobStore()
+    seat = SatelliteSeat(WorkerSettings(RUN, "cell-9", CONFIG), build, Unreachable(), blobs, BlobTransfer(blobs))
+    with pytest.raises(ConnectionError):
+        await seat.join(0)
+    assert len(built) == 1 and seat.backend is None and not seat.joined
+    await seat.leave()  # nothing to stop; still fine
