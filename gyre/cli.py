@@ -241,16 +241,24 @@ def replay(
     run_id: Annotated[Optional[str], typer.Option("--run", help="only this run's events")] = None,
     trees: Annotated[bool, typer.Option("--trees", help="rebuild the run's trees and samples instead; compare")] = False,
     step: Annotated[Optional[int], typer.Option("--step", help="recompute training step N from the checkpoint before it")] = None,
+    cells: Annotated[bool, typer.Option("--cells", help="rebuild the schedule (each cell's phases) from the cells "
+                                                        "stream; compare with the live scheduler's")] = False,
     run_dir: Annotated[Optional[Path], typer.Option(
-        "--run-dir", help="--trees/--step without GYRE_NATS_URL: the finished run's folder, whose event store "
+        "--run-dir", help="--trees/--step/--cells without GYRE_NATS_URL: the finished run's folder, whose event store "
                           "is reopened [GYRE_RUN_DIR; default runs/<run>]")] = None,
 ) -> None:
-    """Rebuild the read models (or, with --trees, the trajectory trees and samples) from
-    the log alone; prints digests / the comparison as JSON."""
+    """Rebuild the read models (or, with --trees, the trajectory trees and samples; with
+    --cells, the schedule) from the log alone; prints digests / the comparison as JSON."""
     from gyre.events_cmd import replay as do_replay
 
-    if step is not None or trees:
+    if step is not None or trees or cells:
         run_dir = _finished_run_dir(run_id, run_dir)
+    if cells:
+        from gyre.events_cmd import replay_cells_of
+
+        result = asyncio.run(replay_cells_of(_settings(run_id=run_id, run_dir=run_dir)))
+        typer.echo(json.dumps(result))
+        raise typer.Exit(3 if result["same_as_live"] is False or result["errors"] else 0)
     if step is not None:
         from gyre.events_cmd import replay_training_step
 

@@ -218,6 +218,36 @@ async def replay_trees_of(settings: GyreSettings) -> dict[str, Any]:
         return await replay_trees(url, settings.run_id)
 
 
+async def replay_cells(nats_url: str, run_id: str, run_dir: Path) -> dict[str, Any]:
+    """Rebuild the schedule (each cell's phases, the scheduler's state) from the cells
+    stream alone, through the scheduler's own core, and compare it with what the live
+    scheduler wrote when it stopped (``<run>/scheduler/schedule.json``), up to the same
+    stream position."""
+    from services.scheduler.main import SCHEDULE_FILE
+    from services.scheduler.replay import CellsFold, compare, summary
+
+    path = run_dir / SCHEDULE_FILE
+    live = json.loads(path.read_text()) if path.exists() else None
+    if live is not None and live.get("run_id") != run_id:
+        raise ValueError(f"{path} is the schedule of run {live.get('run_id')!r}, not {run_id!r}")
+    until = live.get("through_seq") if live else None
+    bus = await JetStreamBus.connect(nats_url, name="gyre-replay-cells")
+    fold, events = CellsFold(), 0
+    try:
+        async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{run_id}.cells.>", until_seq=until):
+            fold.apply(d.event)
+            events += 1
+    finally:
+        await bus.close()
+    return {"run": run_id, "events": events, **compare(summary(fold), live)}
+
+
+async def replay_cells_of(settings: GyreSettings) -> dict[str, Any]:
+    """``replay_cells`` on ``GYRE_NATS_URL`` or on a finished embedded run's own store."""
+    with run_nats_url(settings) as url:
+        return await replay_cells(url, settings.run_id, settings.run_dir)
+
+
 async def replay_training_step(settings: GyreSettings, step: int) -> dict[str, Any]:
     """Rebuild step ``step``'s micro-steps from the log and recompute its loss from the
     checkpoint before it (what the core trainer recorded in ``StepApplied``)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 from libs.common.events import (
     CallRecorded, Context, Event, ForkDetected, RolloutFinished, RolloutScored, RolloutStarted, RolloutTimedOut,
-    CellRegistered, HeldoutEvaluated, RunStarted, SamplesSelected, StepApplied, WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
+    CellRegistered, HeldoutEvaluated, MicroStepDone, RunStarted, SamplesSelected, StepApplied, WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
 )
 
 
@@ -44,6 +44,7 @@ class RunFacts:
     warm_start: dict[str, Any] | None = None
     run_starts: int = 0  # RunStarted events: more than one when the run was resumed
     steps_applied: list[dict[str, Any]] = field(default_factory=list)
+    micro_steps_by_cell: Counter = field(default_factory=Counter)  # MicroStepDone per cell (core and satellites)
     t0: float | None = None
 
     def add(self, ev: Event) -> None:
@@ -88,6 +89,8 @@ class RunFacts:
             self.calls += 1
             self.undelivered += not ev.delivered
             self.drift[ev.drift.value] += 1
+        elif isinstance(ev, MicroStepDone):
+            self.micro_steps_by_cell[ev.cell] += 1
         elif isinstance(ev, StepApplied):
             self.steps_applied.append({"step": ev.step, "weight_version": ev.weight_version, **ev.loss})
 
@@ -196,7 +199,8 @@ def figures(facts: RunFacts) -> dict[str, Any]:
         "role_switches": facts.switches, "switch_failures": facts.switch_failures, "forks": dict(facts.forks),
         "flattened_tokens": sum(facts.flattened_tokens[r] for r in facts.stored_tokens),
         "stored_tokens": sum(facts.stored_tokens.values()), "selected_tokens": sum(facts.selected_tokens.values()),
-        "steps_applied": facts.steps_applied, "warm_start": facts.warm_start,
+        "steps_applied": facts.steps_applied, "micro_steps_by_cell": dict(sorted(facts.micro_steps_by_cell.items())),
+        "warm_start": facts.warm_start,
         "heldout": facts.evals, "eval_rollouts": len(facts.eval_rollouts),
     }
 

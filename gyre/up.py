@@ -93,6 +93,7 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
             Launch("proxy", "proxy", proxy_port, common, 0),
             Launch("trajectory", "trajectory", free_port(), common, 0),
             Launch("evaluator", "evaluator", free_port(), common, 0)]
+    trainer_env = {f"GYRE_TRAINER_{k.upper()}": str(v) for k, v in trainer_options(cfg.model_dump()).items()}
     for i in range(cells):
         port = free_port()
         plan.append(Launch(f"engine-c{i}", "engine", port,
@@ -100,14 +101,15 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
                             "GYRE_ENGINE_MODEL": cfg.model.name}, 0))
         plan.append(Launch(f"cell-c{i}", "cell", free_port(),
                            {**common, "GYRE_CELL_NAME": f"c{i}", "GYRE_CELL_ENGINE_URL": f"http://127.0.0.1:{port}",
-                            "GYRE_PROXY_URL": proxy_url, "GYRE_CELL_CORE": "1" if i == 0 else "0"}, 1))
+                            "GYRE_PROXY_URL": proxy_url, "GYRE_CELL_CORE": "1" if i == 0 else "0",
+                            **trainer_env}, 1))  # a non-core cell trains as a satellite with the core's options
     if cells:
         engines = ",".join(f"c{i}=http://127.0.0.1:{launch.port}"
                            for i, launch in enumerate(x for x in plan if x.service == "engine"))
         plan.append(Launch("trainer", "trainer", free_port(), {
             **common, "GYRE_TRAINER_ROLE": "core", "GYRE_TRAINER_CELL": "c0", "GYRE_TRAINER_PUBLISH_TO": engines,
             "GYRE_TRAINER_GROUPS_PER_STEP": str(cfg.tasks.per_step),
-            **{f"GYRE_TRAINER_{k.upper()}": str(v) for k, v in trainer_options(cfg.model_dump()).items()}}, 1))
+            **trainer_env}, 1))
         plan.append(Launch("scheduler", "scheduler", free_port(), {**common, "GYRE_PROXY_URL": proxy_url}, 2))
     return plan
 
@@ -222,6 +224,7 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
         code = _watch(settings, plan, children, env, console, check=check, duration=duration,
                       stopping=lambda: stopping, job=job)
         if job is not None:
+            _stop_children(children, {"scheduler"})  # it writes the schedule the cells replay checks
             code = job.finish(settings, json_summary, console) or code
         return code
     except KeyboardInterrupt:
@@ -238,6 +241,16 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
                 c.proc.kill()
         if nats is not None:
             nats.stop()
+
+
+def _stop_children(children: list[Child], names: set[str], timeout_s: float = 30.0) -> None:
+    for c in children:
+        if c.name in names and c.proc.poll() is None:
+            c.proc.terminate()
+            try:
+                c.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                c.proc.kill()
 
 
 def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -> RunConfig:
@@ -369,12 +382,28 @@ class MainJob:
         result = summary(self.progress, role_switches=facts.get("role_switches", 0),
                          agent_errors=facts.get("harness_failures", 0) + facts.get("undelivered_calls", 0))
         result["replay_identical"] = self._replay_identical(settings, console)
+        if self.cfg.cells.count:
+            result["cells_replay_same"] = self._cells_replay_same(settings, console)
         (settings.run_dir / "summary.json").write_text(json.dumps(result, indent=2))  # always, beside the report
         if json_summary is not None:
             json_summary.write_text(json.dumps(result, indent=2))
         console.print(json.dumps(result))
         return 1 if self.error is not None else 0
 
+
+    def _cells_replay_same(self, settings: GyreSettings, console: Console) -> bool | None:
+        """The schedule rebuilt from the cells stream against the live scheduler's own."""
+        from gyre.events_cmd import replay_cells
+
+        try:
+            result = asyncio.run(asyncio.wait_for(
+                replay_cells(settings.nats_url or "", settings.run_id, settings.run_dir), FINISH_TIMEOUT_S))
+        except Exception as exc:
+            console.print(f"[red]cells replay failed: {exc!r}[/]")
+            return None
+        console.print("cells replay: " + json.dumps({k: result[k] for k in (
+            "events", "switches", "cells", "same_as_live", "errors")}))
+        return result["same_as_live"]
 
     def _replay_identical(self, settings: GyreSettings, console: Console) -> bool | None:
         """Rebuild the run's trees and samples from the log and compare (the trajectory

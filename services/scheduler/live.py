@@ -6,7 +6,11 @@ log), runs ``decide``, appends the resulting events (``WaterLevelSampled``,
 ``SwitchRequested``) and sends each switch to its cell agent as a NATS request. The
 cells' own events (``CellRegistered``, ``SwitchPhaseEntered``, ``SwitchCompleted``,
 ``SwitchFailed``) come back through the log and move the state on; events this process
-wrote are not applied twice.
+wrote are not applied twice. The cells stream is read to its end before every decision
+(``catch_up_cells``), so the scheduler's state is the fold of the log in stream order
+(``replay.CellsFold``) and its own facts are applied as their events record them: at stop
+it keeps that fold's summary (``final``), which ``gyre replay --cells`` compares with a
+rebuild from the log alone.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from typing import Any
 from libs.common.bus.port import EventBus
 from libs.common.events import Context, EventDecodeError, decode
 
-from .core import SchedulerState, Tick, decide, evolve
-from .core.facts import PhaseReached, SwitchStarted
+from .core import SchedulerState, Tick, decide
+from .core.facts import SwitchStarted
 from .core.translate import from_event, to_event
 from .demand import Demand
+from .replay import CellsFold
 
 log = logging.getLogger(__name__)
 
@@ -37,37 +42,36 @@ class LiveScheduler:
         self.run_id, self.bus, self.policy = run_id, bus, policy
         self.proxy_stats, self.send_switch = proxy_stats, send_switch
         self.tick_s, self.clock = tick_s, clock
-        self.state = SchedulerState()
+        self.fold = CellsFold()  # the state, and each cell's timeline (what a replay must rebuild)
         self.demand = Demand()
         self._mine: set[str] = set()  # ids of events this process appended
         self._tasks: set[asyncio.Task] = set()
         self.switch_answers: list[dict[str, Any]] = []
         self.last_tick: Tick | None = None
+        self.cells_seq = 0  # last cells-stream sequence applied (the fold is the log up to there)
+        self.final: dict[str, Any] | None = None  # the fold's summary once stopped
 
     def _apply(self, data: bytes) -> None:
         try:
             ev = decode(data)
         except EventDecodeError:
             return
+        self._apply_event(ev)
+
+    def _apply_event(self, ev: Any) -> None:
         if ev.run_id != self.run_id or ev.event_id in self._mine:
             return
         self.demand.apply(ev)
         if ev.CONTEXT is not Context.CELLS:
             return
-        try:
-            fact = from_event(ev)
-            if fact is None or self._repeats_phase(fact):
-                return
-            self.state = evolve(self.state, fact)
-        except ValueError as exc:  # IllegalTransition or a phase name the core does not know
-            log.error("scheduler: cannot apply %s: %s", ev.TYPE, exc)
+        errors = len(self.fold.errors)
+        self.fold.apply(ev)
+        if len(self.fold.errors) > errors:
+            log.error("scheduler: cannot apply %s", self.fold.errors[-1])
 
-    def _repeats_phase(self, fact: Any) -> bool:
-        """A cell announces the first phase of a switch that the request already entered."""
-        if not isinstance(fact, PhaseReached):
-            return False
-        known = {c.name: c for c in self.state.cells}.get(fact.cell)
-        return known is not None and known.phase is fact.phase
+    @property
+    def state(self) -> SchedulerState:
+        return self.fold.state
 
     async def _follow(self, context: Context, stop: asyncio.Event) -> None:
         follow = self.bus.follow(context, filter_subject=f"gyre.{self.run_id}.{context.value}.>", idle_s=0.2)
@@ -94,8 +98,11 @@ class LiveScheduler:
         facts = decide(self.state, tick, self.policy)
         self.last_tick = tick
         for fact in facts:
-            self.state = evolve(self.state, fact)
+            # the fact as its event records it (times to the microsecond), so the live state is
+            # exactly what a replay of the log rebuilds; the roles count in a water-level event
+            # is the same before and after it (it moves no cell)
             event = to_event(fact, self.run_id, state=self.state)
+            self.fold.apply_fact((from_event(event) or fact) if event is not None else fact)
             if event is None:
                 continue
             self._mine.add(event.event_id)
@@ -117,13 +124,23 @@ class LiveScheduler:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    async def catch_up_cells(self) -> None:
+        """Applies the cells stream from where the fold stands to its end, in stream order.
+        Done before every decision, so the scheduler decides on every cell report already
+        in the log, and its own events land after them (what a replay folds too)."""
+        async for d in self.bus.read(Context.CELLS, start_seq=self.cells_seq + 1,
+                                     filter_subject=f"gyre.{self.run_id}.cells.>"):
+            self._apply_event(d.event)
+            self.cells_seq = d.seq
+
     async def run(self, stop: asyncio.Event) -> None:
         followers = [asyncio.create_task(self._follow(c, stop))
-                     for c in (Context.CELLS, Context.ROLLOUTS, Context.TREES, Context.TRAINING)]
+                     for c in (Context.ROLLOUTS, Context.TREES, Context.TRAINING)]
         try:
             await asyncio.sleep(min(self.tick_s, 1.0))  # let the followers read the history first
             while not stop.is_set():
                 try:
+                    await self.catch_up_cells()
                     await self.tick()
                 except Exception:
                     log.exception("scheduler tick failed; trying again next tick")
@@ -134,5 +151,24 @@ class LiveScheduler:
         finally:
             for t in followers:
                 t.cancel()
-            if self._tasks:
-                await asyncio.gather(*self._tasks, return_exceptions=True)
+            if self._tasks:  # a switch still running goes on in its cell; its answer is not awaited
+                _, pending = await asyncio.wait(set(self._tasks), timeout=STOP_WAIT_S)
+                for t in pending:
+                    t.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+            try:
+                self.final = await asyncio.wait_for(self.finish(), STOP_WAIT_S)
+            except Exception:
+                log.exception("scheduler: could not read the cells stream to its end at stop")
+
+    async def finish(self) -> dict[str, Any]:
+        """Applies the rest of the cells stream (no more decisions are made) and returns the
+        fold's summary with the sequence it goes up to: what ``gyre replay --cells`` must
+        rebuild from the log alone."""
+        from .replay import summary
+
+        await self.catch_up_cells()
+        return {**summary(self.fold), "through_seq": self.cells_seq, "run_id": self.run_id}
+
+
+STOP_WAIT_S = 3.0  # at stop, for answers of switches in flight and for the last read (serve() waits 10 s)

@@ -57,6 +57,9 @@ async def scheduler_main(ctx: ServiceContext) -> None:
     async def send_switch(cell: str, to_role: str, causation: str) -> dict[str, Any]:
         return await request_switch(ctx.runtime.bus.nc, settings.run_id, cell, to_role, causation_id=causation)
 
+    stale = settings.run_dir / SCHEDULE_FILE
+    if stale.exists():  # an earlier scheduler's: never compared with this one's log
+        stale.unlink()
     live = LiveScheduler(run_id=settings.run_id, bus=ctx.runtime.bus, policy=policy_from_env(),
                          proxy_stats=proxy_stats, send_switch=send_switch,
                          tick_s=float(os.environ.get("GYRE_SCHEDULER_TICK_S", "2")))
@@ -75,6 +78,22 @@ async def scheduler_main(ctx: ServiceContext) -> None:
     finally:
         shower.cancel()
         await http.aclose()
+        if live.final is not None:  # what `gyre replay --cells` compares its rebuild with
+            write_schedule(settings.run_dir, live.final)
+
+
+SCHEDULE_FILE = "scheduler/schedule.json"
+
+
+def write_schedule(run_dir: Any, final: dict[str, Any]) -> None:
+    import json
+    from pathlib import Path
+
+    path = Path(run_dir) / SCHEDULE_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(final, indent=1, sort_keys=True) + "\n")
+    tmp.replace(path)
 
 
 SPEC = ServiceSpec("scheduler", scheduler_main,

@@ -130,7 +130,8 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     runs = tmp_path / "runs"
     summary = tmp_path / "summary.json"
     # phase 0 (a 2-step warm start on the train-split scale tasks), held-out eval before and after
-    res = gyre("up", "run.steps=1", "tasks.per_step=1", "group_size=2", "cells.count=1", "run.id=e2e",
+    # two cells: c1 trains as a satellite whenever the scheduler switches it to training
+    res = gyre("up", "run.steps=1", "tasks.per_step=1", "group_size=2", "cells.count=2", "run.id=e2e",
                f"run.dir={runs}", "tasks.include=[starter_scale*]", "warmstart.enabled=true", "warmstart.steps=2",
                "warmstart.flaw_rate=0.5", "eval.heldout=true", "trainer.micro_step_tokens=1024",
                "--json-summary", str(summary), timeout=600)
@@ -140,9 +141,11 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     assert figures["steps"] == 1 and figures["agent_errors"] == 0 and not figures["errors"]
     # trees and samples rebuilt from the log match (the rebuild packs micro-steps of the run's 1024 tokens)
     assert figures["replay_identical"] is True
+    assert figures["cells_replay_same"] is True  # the schedule rebuilt from the cells stream is the live one
     assert 0.0 <= figures["heldout_success_before"] <= 1.0 and 0.0 <= figures["heldout_success_after"] <= 1.0
     report = json.loads((runs / "e2e" / "report.json").read_text())
     assert report["rollouts"] == 2 and report["scored"] == 2 and report["calls"] >= 2
+    assert set(report["micro_steps_by_cell"]) <= {"c0", "c1"} and sum(report["micro_steps_by_cell"].values()) >= 1
     assert report["eval_rollouts"] == 4 and set(report["heldout"]) == {"before", "after"}  # 2 held-out tasks x 2
     assert report["warm_start"]["steps"] == 2 and report["warm_start"]["demos"] == 6
     assert report["warm_start"]["flaw_rate"] == 0.5  # recorded in WarmStartCompleted
@@ -150,6 +153,10 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     res = gyre("replay", "--trees", "--run", "e2e", "--run-dir", str(runs / "e2e"))
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert json.loads(res.stdout.strip().splitlines()[-1])["identical"] is True
+    res = gyre("replay", "--cells", "--run", "e2e", "--run-dir", str(runs / "e2e"))
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    cells = json.loads(res.stdout.strip().splitlines()[-1])
+    assert cells["same_as_live"] is True and set(cells["cells"]) == {"c0", "c1"} and not cells["errors"]
     assert (runs / "e2e" / "warmstart" / "model" / "config.json").exists()
     marker = json.loads((runs / "e2e" / "warmstart" / "warmstart.json").read_text())
     assert marker["inputs"]["flaw_rate"] == 0.5 and marker["stats"]["flawed_demos"] == 6  # in the reuse digest
