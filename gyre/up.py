@@ -102,6 +102,7 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
         plan.append(Launch(f"cell-c{i}", "cell", free_port(),
                            {**common, "GYRE_CELL_NAME": f"c{i}", "GYRE_CELL_ENGINE_URL": f"http://127.0.0.1:{port}",
                             "GYRE_PROXY_URL": proxy_url, "GYRE_CELL_CORE": "1" if i == 0 else "0",
+                            **({"GYRE_CELL_SEAT": "none"} if i == 0 and cfg.cells.core_follows_role else {}),
                             **trainer_env}, 1))  # a non-core cell trains as a satellite with the core's options
     if cells:
         engines = ",".join(f"c{i}=http://127.0.0.1:{launch.port}"
@@ -109,6 +110,7 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
         plan.append(Launch("trainer", "trainer", free_port(), {
             **common, "GYRE_TRAINER_ROLE": "core", "GYRE_TRAINER_CELL": "c0", "GYRE_TRAINER_PUBLISH_TO": engines,
             "GYRE_TRAINER_GROUPS_PER_STEP": str(cfg.tasks.per_step),
+            "GYRE_TRAINER_FOLLOW_ROLE": "1" if cfg.cells.core_follows_role else "0",
             **trainer_env}, 1))
         plan.append(Launch("scheduler", "scheduler", free_port(), {**common, "GYRE_PROXY_URL": proxy_url}, 2))
     return plan

@@ -85,6 +85,9 @@ class CellsSection(_Section):
     high_watermark: float = Field(default=1.2, gt=0)  # elastic: reclaim training cells above this x capacity
     max_switches_in_flight: int = Field(default=2, ge=1)
     training_cells: int = Field(default=1, ge=1)  # async: the fixed split's training cells
+    # the core's trainer claims micro-steps only while the scheduler has cell c0 in training
+    # (as in the seed: the core cell serves inference while demand is high); off: in every role
+    core_follows_role: bool = False
 
     @model_validator(mode="after")
     def _watermarks(self) -> "CellsSection":

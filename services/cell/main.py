@@ -8,7 +8,7 @@ default ``tiny-qwen``), ``GYRE_ADMIN_TOKEN``, ``GYRE_CELL_SEAT`` (what the cell 
 it trains: ``satellite``, a trainer replica that claims micro-steps and sends gradients
 to the core, the default for every cell but the core; ``weights``, which only loads the
 policy weights, the default for the core cell, whose optimizer lives in the trainer
-service). A satellite takes the trainer's ``GYRE_TRAINER_*`` options (backend, objective,
+service; ``none``, nothing: the core cell when its trainer follows the cell's role). A satellite takes the trainer's ``GYRE_TRAINER_*`` options (backend, objective,
 ``GYRE_TRAINER_TRANSFER``) so it computes exactly what the core's own worker would.
 """
 
@@ -36,11 +36,24 @@ def training_seat(kind: str, *, name: str, run_id: str, bus, blobs, environ=os.e
 
     if kind == "weights":
         return WeightsSeat(Path(resolve_model(environ.get("GYRE_MODEL", "tiny-qwen")).folder))
+    if kind == "none":
+        return NoSeat()
     if kind == "satellite":
         from services.trainer.main import env_options, satellite_seat
 
         return satellite_seat(run_id, name, env_options({}, environ), bus=bus, blobs=blobs)
-    raise ValueError(f"GYRE_CELL_SEAT={kind!r}: expected 'satellite' or 'weights'")
+    raise ValueError(f"GYRE_CELL_SEAT={kind!r}: expected 'satellite', 'weights' or 'none'")
+
+
+class NoSeat:
+    """A cell whose training replica lives elsewhere: the core cell when the trainer
+    service beside it follows its role (``cells.core_follows_role``)."""
+
+    async def join(self, weight_version: int) -> None:
+        return None
+
+    async def leave(self) -> None:
+        return None
 
 
 async def cell_main(ctx: ServiceContext) -> None:

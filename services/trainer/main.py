@@ -8,7 +8,9 @@ line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
 ``port``: how satellites send gradients; the core reads either), ``publish_to``
 (``cell=url,cell=url``: inference cells to publish weights to), ``publish_mode``
 (``tensor`` | ``disk``), ``publish_pause`` (``none`` | ``in_place``: pause generation
-around every update; an engine that refuses updates while it generates is paused anyway).
+around every update; an engine that refuses updates while it generates is paused anyway),
+``follow_role`` (core: its own worker claims micro-steps only while the cells stream has
+``cell`` in training; the core applies updates in every role).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ ENV = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYR
        "kl_coef": "GYRE_TRAINER_KL_COEF", "max_staleness": "GYRE_TRAINER_MAX_STALENESS",
        "transfer": "GYRE_TRAINER_TRANSFER", "tp": "GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE",
        "ack_wait_s": "GYRE_TRAINER_ACK_WAIT_S", "publish_mode": "GYRE_TRAINER_PUBLISH_MODE",
-       "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE"}
+       "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE", "follow_role": "GYRE_TRAINER_FOLLOW_ROLE"}
 
 
 def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
@@ -194,9 +196,16 @@ async def trainer_main(ctx: ServiceContext) -> None:
                        publish=publisher)
     worker = MicroStepWorker(settings_w, await asyncio.to_thread(build_backend, options), bus=rt.bus,
                              blobs=rt.blobs, gradients=local, weights=CoreWeightSource(core))
-    ctx.health.ok(role=role, cell=cell, checkpoints=str(checkpoints))
+    follow = str(_opt(options, "follow_role", str, "0")).strip().lower() in ("1", "true", "yes", "on")
+    ctx.health.ok(role=role, cell=cell, checkpoints=str(checkpoints), follows_role=follow)
+    if follow:  # the core's own worker claims only while its cell trains (gate.py)
+        from .gate import CellRole, run_gated
+
+        own_work = run_gated(worker, CellRole(run_id, cell), rt.bus, ctx.stop)
+    else:
+        own_work = worker.run(ctx.stop)
     try:
-        await asyncio.gather(core.run(ctx.stop), worker.run(ctx.stop))
+        await asyncio.gather(core.run(ctx.stop), own_work)
     finally:
         if publisher is not None:
             await publisher.close()
