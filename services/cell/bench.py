@@ -3,8 +3,11 @@
 Two embedded engine cells (``gyre serve engine`` processes) behind the proxy; four agent
 sessions in the middle of their conversations, spread over both cells. Cell ``e1``
 switches inference -> training (drain, migrate its sessions' KV caches to ``e0``,
-release its engine's memory, join training by loading the policy weights) and back
-(leave, resume memory, take sessions again). Every session must complete a turn after
+release its engine's memory, join training as a satellite trainer: build the policy and
+load the newest weights the core published, here v0, which the seat prefetched from the
+blob store while the cell served; ``cold_pull_weights_s`` is that read without the
+prefetch) and back (leave:
+stop claiming and free the model; resume memory, take sessions again). Every session must complete a turn after
 each switch. ``cold_restart_s``: spawning the same engine command until
 ``/health_generate`` answers. ``switch_vs_restart`` = the larger switch / the restart.
 """
@@ -61,7 +64,9 @@ async def _turn(c: httpx.AsyncClient, base: str, history: list[dict]) -> None:
 
 async def _run(tmp: Path, nats_url: str, progress: bool) -> dict[str, Any]:
     from services.cell.adapters import EngineControl, ProxyControl, WeightsSeat
+    from libs.common.events import WeightsPublished
     from services.cell.agent import CellAgent
+    from services.trainer.main import satellite_seat
     from services.engine.client import EngineClient
     from services.engine.model_store import default_cache_dir, ensure_tiny_qwen
     from services.proxy.bench import _serve
@@ -88,9 +93,15 @@ async def _run(tmp: Path, nats_url: str, progress: bool) -> dict[str, Any]:
                                router=Router(), clients={},
                                client_factory=lambda url: EngineClient(url, admin_token=ADMIN, timeout=120))
         proxy_url, proxy_server = await _serve(create_app(service, admin_token=ADMIN))
+        # e1 switches as a non-core cell does: its seat is a satellite trainer that builds the
+        # policy and pulls the newest weights the core published (v0 here, from the blob store)
+        satellite = satellite_seat(RUN, "e1", {"model": str(folder)}, bus=bus, blobs=blobs)
+        digest = await blobs.put((folder / "model.safetensors").read_bytes())
+        await bus.publish(WeightsPublished(run_id=RUN, weight_version=0, checkpoint_digest=digest))
         agents = [CellAgent(name=f"e{i}", run_id=RUN, bus=bus, proxy=ProxyControl(proxy_url, ADMIN),
                             engine=EngineControl(EngineClient(u, admin_token=ADMIN, timeout=120)),
-                            seat=WeightsSeat(folder), engine_url=u, capacity=8, is_core=(i == 0))
+                            seat=WeightsSeat(folder) if i == 0 else satellite, engine_url=u, capacity=8,
+                            is_core=(i == 0))
                   for i, u in enumerate(urls)]
         for a in agents:
             await a.register()
@@ -103,10 +114,14 @@ async def _run(tmp: Path, nats_url: str, progress: bool) -> dict[str, Any]:
             for _ in range(2):
                 for h in histories:
                     await _turn(c, base, h)
+            for _ in range(300):  # a cell serves for a while after a publication: its seat has prefetched it
+                if satellite.prefetched_version == 0:
+                    break
+                await asyncio.sleep(0.1)
             on_e1 = len(service.router.sessions_on("e1"))
             say(f"switching e1 to training ({on_e1} sessions on it) ...")
             to_train = await agents[1].switch("training")
-            moves_snapshot = agents[1].last_evacuation
+            moves_snapshot, join = agents[1].last_evacuation, dict(satellite.last_join)
             if not to_train.ok:
                 raise RuntimeError(f"switch to training failed in {to_train.failed_phase}: {to_train.reason}")
             await asyncio.gather(*(_turn(c, base, h) for h in histories))
@@ -115,6 +130,11 @@ async def _run(tmp: Path, nats_url: str, progress: bool) -> dict[str, Any]:
             if not to_infer.ok:
                 raise RuntimeError(f"switch to inference failed in {to_infer.failed_phase}: {to_infer.reason}")
             await asyncio.gather(*(_turn(c, base, h) for h in histories))
+        start = time.monotonic()  # what joining costs without the prefetched copy: the blob store's read
+        from safetensors.torch import load
+
+        load(await blobs.get(digest))
+        cold_pull_s = time.monotonic() - start
         say("cold restart of the same engine command ...")
         restart_port = free_port()
         start = time.monotonic()
@@ -134,6 +154,9 @@ async def _run(tmp: Path, nats_url: str, progress: bool) -> dict[str, Any]:
             "cold_restart_s": round(cold_s, 3), "switch_vs_restart": round(larger / cold_s, 3),
             "phases_to_train": {k: round(v, 3) for k, v in to_train.timings.items()},
             "phases_to_infer": {k: round(v, 3) for k, v in to_infer.timings.items()},
+            "seat": "satellite", "joining_build_s": round(join["build_s"], 3),
+            "joining_load_weights_s": round(join["pull_s"], 3), "joined_at_version": int(join["version"]),
+            "weights_prefetched": bool(join.get("prefetched")), "cold_pull_weights_s": round(cold_pull_s, 3),
             "all_sessions_completed": True, "sessions_moved": len(moves),
             "sessions_kv_migrated": sum(1 for m in moves if m["kv"] == "migrated"),
         }

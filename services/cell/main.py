@@ -80,7 +80,9 @@ async def cell_main(ctx: ServiceContext) -> None:
         await agent.keep_registered(ctx.stop)
     finally:
         await sub.unsubscribe()
-        if agent.role == "training":  # a satellite stops after its micro-step in hand
+        if hasattr(seat, "close"):  # a satellite stops after its micro-step in hand, and its prefetching
+            await seat.close()
+        elif agent.role == "training":
             await seat.leave()
         await proxy.aclose()
 

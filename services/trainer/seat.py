@@ -2,8 +2,9 @@
 to training, ``leave`` when it switches back (the shape of ``services.cell.adapters``'
 ``TrainingSeat``).
 
-``join`` builds the policy model, pulls the newest published weights into it (the
-switch's ``joining`` phase pays for that, not the first claim) and starts a
+``join`` builds the policy model, loads the newest published weights into it (the
+switch's ``joining`` phase pays for that, not the first claim; the seat prefetches the
+newest version's bytes while the cell serves, so that is a load from host memory) and starts a
 :class:`MicroStepWorker` on the work queue, so the cell claims micro-steps of the step in
 progress (it joins mid-batch). ``leave`` stops the worker after the micro-step in hand (a
 claim still waiting for weights goes back to the queue for another cell) and, unless
@@ -42,15 +43,69 @@ class SatelliteSeat:
     worker: MicroStepWorker | None = None
     joins: int = 0
     micro_steps_done: list[str] = field(default_factory=list)  # over every join
-    last_join: dict[str, float] = field(default_factory=dict)  # build_s, pull_s, version
+    last_join: dict[str, float] = field(default_factory=dict)  # build_s, pull_s, version, prefetched
+    # While the cell serves, keep the newest published weights' bytes in host memory (one
+    # copy, replaced when a newer version is published), so joining reads no network.
+    prefetch: bool = True
+    prefetch_every_s: float = 2.0
+    _cached: tuple[int, bytes] | None = None
+    _prefetcher: asyncio.Task | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task | None = None
 
     async def prepare(self) -> None:
         """At agent start: import the model code once (as a long-lived trainer has), so a
-        first switch does not pay for it. No model is built, no memory held."""
+        first switch does not pay for it; start prefetching published weights (bytes only:
+        no model is built)."""
         if self.warm_up is not None:
             await asyncio.to_thread(self.warm_up)
+        if self.prefetch and self._prefetcher is None:
+            self._prefetcher = asyncio.create_task(self._prefetch_loop())
+
+    async def close(self) -> None:
+        await self.leave()
+        if self._prefetcher is not None:
+            self._prefetcher.cancel()
+            await asyncio.gather(self._prefetcher, return_exceptions=True)
+            self._prefetcher = None
+
+    async def _prefetch_loop(self) -> None:
+        source = BusWeightSource(self.bus, self.blobs, self.settings.run_id)
+        while True:
+            try:
+                if not self.joined:
+                    await self._prefetch_once(source)
+            except Exception as exc:  # the log or the store may be restarting: try again later
+                log.warning("satellite %s: prefetching weights failed: %r", self.settings.cell, exc)
+            await asyncio.sleep(self.prefetch_every_s)
+
+    async def _prefetch_once(self, source: BusWeightSource) -> None:
+        ev = await source.last_event()
+        if ev is None or ev.checkpoint_digest is None:
+            return
+        if self._cached is not None and self._cached[0] >= ev.weight_version:
+            return
+        self._cached = (ev.weight_version, await self.blobs.get(ev.checkpoint_digest))
+        log.info("satellite %s: prefetched weights v%d", self.settings.cell, ev.weight_version)
+
+    @property
+    def prefetched_version(self) -> int | None:
+        return None if self._cached is None else self._cached[0]
+
+    async def _newest_weights(self, source: BusWeightSource) -> tuple[int, dict[str, Any], bool] | None:
+        """The newest published version and its weights, from the prefetched bytes when they
+        are that version (True), else from the blob store."""
+        from safetensors.torch import load
+
+        ev = await source.last_event()
+        if ev is None or ev.checkpoint_digest is None:
+            return None
+        cached = self._cached
+        if cached is not None and cached[0] == ev.weight_version:
+            return ev.weight_version, await asyncio.to_thread(load, cached[1]), True
+        data = await self.blobs.get(ev.checkpoint_digest)
+        self._cached = (ev.weight_version, data) if self.prefetch else None
+        return ev.weight_version, await asyncio.to_thread(load, data), False
 
     async def join(self, weight_version: int) -> None:
         if self._task is not None and not self._task.done():
@@ -64,21 +119,22 @@ class SatelliteSeat:
             weights = BusWeightSource(self.bus, self.blobs, self.settings.run_id)
             worker = MicroStepWorker(self.settings, self.backend, bus=self.bus, blobs=self.blobs,
                                      gradients=self.gradients, weights=weights)
-            newest = await weights.newest()
-            version = -1
+            newest = await self._newest_weights(weights)
+            version, prefetched = -1, False
             if newest is not None:  # the core has published: hold its newest weights before claiming
-                version, state = newest
+                version, state, prefetched = newest
                 await asyncio.to_thread(self.backend.load_hf_state_dict, state)
                 worker.version = version  # (a newer one published meanwhile is pulled at the next claim)
         except BaseException:
             self._free()  # a failed join holds no memory: the cell goes back to serving
             raise
-        self.last_join = {"build_s": built - start, "pull_s": time.monotonic() - built, "version": float(version)}
+        self.last_join = {"build_s": built - start, "pull_s": time.monotonic() - built, "version": float(version),
+                          "prefetched": float(prefetched)}
         self.worker, self.joins = worker, self.joins + 1
         self._stop = asyncio.Event()
         self._task = asyncio.create_task(worker.run(self._stop))
-        log.info("satellite %s joined training at v%d (model %.2fs, weights %.2fs)", self.settings.cell, version,
-                 self.last_join["build_s"], self.last_join["pull_s"])
+        log.info("satellite %s joined training at v%d (model %.2fs, weights %.2fs%s)", self.settings.cell, version,
+                 self.last_join["build_s"], self.last_join["pull_s"], ", prefetched" if prefetched else "")
 
     async def leave(self) -> None:
         if self._task is not None:

@@ -55,6 +55,34 @@ class BusWeightSource:
         self.bus, self.blobs = bus, blobs
         self.subject = f"gyre.{run_id}.{Context.TRAINING.value}.{WeightsPublished.TYPE}"
 
+    async def last_event(self) -> WeightsPublished | None:
+        """The newest ``WeightsPublished`` (None before the first)."""
+        return await self._last()
+
+    async def _last(self) -> WeightsPublished | None:
+        from libs.common.events import decode
+
+        raw = await self.bus.last_on_subject(Context.TRAINING, self.subject)
+        return None if raw is None else decode(raw.data)
+
+    async def current_version(self) -> int:
+        ev = await self._last()
+        return -1 if ev is None else ev.weight_version
+
+    async def fetch(self, version: int) -> dict[str, torch.Tensor]: ...
+
+
+class BusWeightSource:
+    """The newest ``WeightsPublished`` on the log names the weights blob (safetensors)."""
+
+    def __init__(self, bus: EventBus, blobs: BlobStore, run_id: str) -> None:
+        self.bus, self.blobs = bus, blobs
+        self.subject = f"gyre.{run_id}.{Context.TRAINING.value}.{WeightsPublished.TYPE}"
+
+    async def last_event(self) -> WeightsPublished | None:
+        """The newest ``WeightsPublished`` (None before the first)."""
+        return await self._last()
+
     async def _last(self) -> WeightsPublished | None:
         from libs.common.events import decode
 

@@ -205,13 +205,17 @@ async def test_a_cell_in_training_hosts_a_satellite_that_claims_micro_steps(prox
             if await source.current_version() >= 0:
                 break
             await asyncio.sleep(0.1)
-        agents = await setup_cells(proxy, engines, model_dir, seat_for_e1=seat)
-        await seat.prepare()
+        agents = await setup_cells(proxy, engines, model_dir, seat_for_e1=seat)  # register: prepare, prefetch
+        for _ in range(300):
+            if seat.prefetched_version == 0:
+                break
+            await asyncio.sleep(0.1)
         base = await proxy.rollout("cell-sat")
         histories = [[{"role": "user", "content": f"task {i}"}] for i in range(4)]
         await talk(base, histories)
         rec = await agents[1].switch("training")
         assert rec.ok and seat.joined and seat.last_join["version"] == 0.0
+        assert seat.last_join["prefetched"] == 1.0  # loaded from the bytes prefetched while it served
         vocab = core.backend.vocab_size
         samples = [(workload_samples(vocab)[0], 1.0), (two_branch_tree("rx"), -1.0)]
         digests = [await proxy.blobs.put(encode_packed(p)) for p, _ in samples]
@@ -230,7 +234,7 @@ async def test_a_cell_in_training_hosts_a_satellite_that_claims_micro_steps(prox
         assert sorted(seat.stats()["micro_steps_done"]) == ["s0-m0", "s0-m1"]
         await talk(base, histories)
     finally:
-        await seat.leave()
+        await seat.close()
         stop.set()
         await core_task
     training = [d.event async for d in proxy.bus.read(Context.TRAINING)]
