@@ -9,7 +9,10 @@ it trains: ``satellite``, a trainer replica that claims micro-steps and sends gr
 to the core, the default for every cell but the core; ``weights``, which only loads the
 policy weights, the default for the core cell, whose optimizer lives in the trainer
 service; ``none``, nothing: the core cell when its trainer follows the cell's role). A satellite takes the trainer's ``GYRE_TRAINER_*`` options (backend, objective,
-``GYRE_TRAINER_TRANSFER``) so it computes exactly what the core's own worker would.
+``GYRE_TRAINER_TRANSFER``) so it computes exactly what the core's own worker would; it
+prefetches each newly published version's weights into host memory while the cell serves
+(``GYRE_CELL_PREFETCH_WEIGHTS=0`` turns that off: joining then reads them from the blob
+store).
 """
 
 from __future__ import annotations
@@ -41,7 +44,9 @@ def training_seat(kind: str, *, name: str, run_id: str, bus, blobs, environ=os.e
     if kind == "satellite":
         from services.trainer.main import env_options, satellite_seat
 
-        return satellite_seat(run_id, name, env_options({}, environ), bus=bus, blobs=blobs)
+        seat = satellite_seat(run_id, name, env_options({}, environ), bus=bus, blobs=blobs)
+        seat.prefetch = environ.get("GYRE_CELL_PREFETCH_WEIGHTS", "1").strip() not in ("0", "false", "no", "off")
+        return seat
     raise ValueError(f"GYRE_CELL_SEAT={kind!r}: expected 'satellite', 'weights' or 'none'")
 
 

@@ -249,5 +249,8 @@ def test_the_seat_follows_gyre_cell_seat(model_dir) -> None:
 
     env = {"GYRE_MODEL": str(model_dir)}
     assert isinstance(training_seat("weights", name="c0", run_id="r", bus=None, blobs=None, environ=env), WeightsSeat)
+    assert training_seat("satellite", name="c1", run_id="r", bus=None, blobs=None, environ=env).prefetch
+    assert not training_seat("satellite", name="c1", run_id="r", bus=None, blobs=None,
+                             environ={**env, "GYRE_CELL_PREFETCH_WEIGHTS": "0"}).prefetch
     with pytest.raises(ValueError, match="GYRE_CELL_SEAT='gpu'"):
         training_seat("gpu", name="c0", run_id="r", bus=None, blobs=None, environ=env)
