@@ -94,6 +94,7 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
             Launch("trajectory", "trajectory", free_port(), common, 0),
             Launch("evaluator", "evaluator", free_port(), common, 0)]
     trainer_env = {f"GYRE_TRAINER_{k.upper()}": str(v) for k, v in trainer_options(cfg.model_dump()).items()}
+    follow = core_follows_role(cfg)
     for i in range(cells):
         port = free_port()
         plan.append(Launch(f"engine-c{i}", "engine", port,
@@ -102,7 +103,7 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
         plan.append(Launch(f"cell-c{i}", "cell", free_port(),
                            {**common, "GYRE_CELL_NAME": f"c{i}", "GYRE_CELL_ENGINE_URL": f"http://127.0.0.1:{port}",
                             "GYRE_PROXY_URL": proxy_url, "GYRE_CELL_CORE": "1" if i == 0 else "0",
-                            **({"GYRE_CELL_SEAT": "none"} if i == 0 and cfg.cells.core_follows_role else {}),
+                            **({"GYRE_CELL_SEAT": "trainer"} if i == 0 and follow else {}),
                             **trainer_env}, 1))  # a non-core cell trains as a satellite with the core's options
     if cells:
         engines = ",".join(f"c{i}=http://127.0.0.1:{launch.port}"
@@ -110,10 +111,24 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
         plan.append(Launch("trainer", "trainer", free_port(), {
             **common, "GYRE_TRAINER_ROLE": "core", "GYRE_TRAINER_CELL": "c0", "GYRE_TRAINER_PUBLISH_TO": engines,
             "GYRE_TRAINER_GROUPS_PER_STEP": str(cfg.tasks.per_step),
-            "GYRE_TRAINER_FOLLOW_ROLE": "1" if cfg.cells.core_follows_role else "0",
+            "GYRE_TRAINER_FOLLOW_ROLE": "1" if follow else "0",
             **trainer_env}, 1))
         plan.append(Launch("scheduler", "scheduler", free_port(), {**common, "GYRE_PROXY_URL": proxy_url}, 2))
     return plan
+
+
+def core_follows_role(cfg: RunConfig) -> bool:
+    """``cells.core_follows_role``, where it can work: the elastic scheduler never moves the
+    only cell of a one-cell run to training (it must keep serving), so there the core
+    trains in every role (``follow_role_note`` says so)."""
+    return cfg.cells.core_follows_role and not (cfg.cells.count < 2 and cfg.cells.policy == "elastic")
+
+
+def follow_role_note(cfg: RunConfig) -> str | None:
+    if cfg.cells.core_follows_role and not core_follows_role(cfg):
+        return ("cells.core_follows_role is off for this run: with one cell the elastic scheduler keeps it "
+                "serving, so the core trains in every role")
+    return None
 
 
 def resolved_config(settings: GyreSettings, cfg: RunConfig) -> dict[str, Any]:
@@ -220,6 +235,8 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
         env = {**os.environ, "GYRE_NATS_URL": settings.nats_url or "", "GYRE_RUN_ID": settings.run_id,
                "GYRE_RUN_DIR": str(settings.run_dir), "GYRE_DATABASE_URL": settings.sqlalchemy_url}
         plan = plan_stack(cfg, _admin_token(settings))
+        if follow_role_note(cfg):
+            console.print(f"[yellow]{follow_role_note(cfg)}[/]")
         job = None if check else MainJob(cfg, settings.nats_url or "", proxy_url(plan), eval_split=eval_split)
         if job is not None:  # from here a Ctrl-C stops the run like SIGTERM: the report is still written
             signal.signal(signal.SIGINT, _stop)

@@ -130,7 +130,7 @@ async def _run(tmp: Path, nats_url: str, progress: bool) -> dict[str, Any]:
             if not to_infer.ok:
                 raise RuntimeError(f"switch to inference failed in {to_infer.failed_phase}: {to_infer.reason}")
             await asyncio.gather(*(_turn(c, base, h) for h in histories))
-        start = time.monotonic()  # what joining costs without the prefetched copy: the blob store's read
+        start = time.monotonic()  # joining without the prefetched copy: a read from the local NATS server
         from safetensors.torch import load
 
         load(await blobs.get(digest))
@@ -145,6 +145,7 @@ async def _run(tmp: Path, nats_url: str, progress: bool) -> dict[str, Any]:
         finally:
             cold.terminate()
             cold.wait(timeout=30)
+        await satellite.close()
         proxy_server.should_exit = True
         moves = (moves_snapshot or {}).get("moves", [])
         larger = max(to_train.total_s, to_infer.total_s)

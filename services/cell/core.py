@@ -15,6 +15,8 @@ again).
     'inference'
     >>> rollback_role("training", "resuming")     # the engine would not come back: keep training
     'training'
+    >>> rollback_role("training", "refused")      # a refused command changes nothing
+    'training'
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def plan(from_role: str, to_role: str) -> tuple[str, ...]:
 
 def rollback_role(from_role: str, failed_phase: str) -> str:
     """The role a cell is left in when ``failed_phase`` fails (always a safe one)."""
+    if failed_phase == "refused":
+        return from_role  # nothing was started
     if from_role == "inference":
         return "inference"  # every inference->training phase can be undone by resuming
     return "training" if failed_phase in ("leaving", "resuming") else "inference"

@@ -1,86 +1,114 @@
-"""The core cell's own worker, gated by the cell's role (option ``follow_role``).
+"""The core cell's own worker, run only while the cell trains (option ``follow_role``).
 
 In the seed the core cell serves inference while demand is high and trains when the
 scheduler moves it to training; its optimizer and weights stay put either way. With
-``follow_role`` the core trainer's worker claims micro-steps only while the cells stream
-says its cell (``cell``) is in the ``training`` role (``CellRegistered``, then each
-``SwitchCompleted`` / ``SwitchFailed``); the core itself keeps applying updates whenever a
-step's micro-steps are all in (from satellites or from its own worker). Leaving training,
-the worker finishes the micro-step in hand (a claim still waiting for weights goes back to
-the queue).
+``follow_role`` the core trainer's worker claims micro-steps only between the cell's
+``join`` and ``leave``: the core cell's agent (seat ``trainer``,
+``services.cell.main.TrainerSeat``) sends them as NATS requests on
+``gyre.<run>.cmd.trainer.<cell>`` during its switches, and ``leave`` is answered once the
+micro-step in hand is done (a claim still waiting for weights goes back to the queue), so
+the cell's engine takes its memory back only then. At start the worker follows the cell's
+last role on the cells stream (a restarted trainer of a training cell claims again). The
+core itself keeps applying updates whenever a step's micro-steps are all in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import Any
 
-from libs.common.events import CellRegistered, Context, SwitchCompleted, SwitchFailed, decode
+from libs.common.events import CellRegistered, Context, SwitchCompleted, SwitchFailed
 
 log = logging.getLogger(__name__)
 
 
-class CellRole:
-    """The role of one cell, as the cells stream says."""
-
-    def __init__(self, run_id: str, cell: str) -> None:
-        self.run_id, self.cell = run_id, cell
-        self.role: str | None = None
-        self.training, self.not_training = asyncio.Event(), asyncio.Event()
-        self.not_training.set()
-
-    def apply(self, ev: Any) -> None:
-        if isinstance(ev, (CellRegistered, SwitchCompleted, SwitchFailed)) and ev.cell == self.cell:
-            self.role = str(ev.role)
-            if self.role == "training":
-                self.not_training.clear()
-                self.training.set()
-            else:
-                self.training.clear()
-                self.not_training.set()
-
-    async def follow(self, bus: Any, stop: asyncio.Event) -> None:
-        follow = bus.follow(Context.CELLS, filter_subject=f"gyre.{self.run_id}.cells.>", idle_s=0.2)
-        try:
-            async for raw in follow:
-                if raw is not None:
-                    self.apply(decode(raw.data))
-                if stop.is_set():
-                    return
-        finally:
-            await follow.aclose()
+def command_subject(run_id: str, cell: str) -> str:
+    return f"gyre.{run_id}.cmd.trainer.{cell}"
 
 
-async def _first(*aws: Any) -> None:
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    try:
-        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+async def last_role(bus: Any, run_id: str, cell: str) -> str | None:
+    """The cell's role as the cells stream last recorded it (None: never registered)."""
+    role = None
+    async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{run_id}.cells.>"):
+        ev = d.event
+        if isinstance(ev, (CellRegistered, SwitchCompleted, SwitchFailed)) and ev.cell == cell:
+            role = str(ev.role)
+    return role
 
 
-async def run_gated(worker: Any, role: CellRole, bus: Any, stop: asyncio.Event) -> None:
-    """Runs ``worker`` while ``role`` is training, until ``stop``."""
-    follower = asyncio.create_task(role.follow(bus, stop))
-    try:
-        while not stop.is_set():
-            await _first(role.training.wait(), stop.wait())
-            if stop.is_set():
+class GatedWorker:
+    """Runs ``worker`` between ``join`` and ``leave``."""
+
+    def __init__(self, worker: Any, cell: str) -> None:
+        self.worker, self.cell = worker, cell
+        self._task: asyncio.Task | None = None
+        self._pause = asyncio.Event()
+        self._lock = asyncio.Lock()
+
+    @property
+    def claiming(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def join(self) -> None:
+        async with self._lock:
+            if self.claiming:
                 return
-            log.info("core worker: cell %s trains; claiming micro-steps", role.cell)
-            paused = asyncio.Event()
-            task = asyncio.create_task(worker.run(paused))
-            await _first(role.not_training.wait(), stop.wait(), asyncio.shield(task))
-            paused.set()
-            ended = (await asyncio.gather(task, return_exceptions=True))[0]
-            if isinstance(ended, Exception):  # claim again after a pause, not in a tight loop
-                log.error("core worker ended with %r; restarts while the cell trains", ended)
-                await _first(asyncio.sleep(1.0), stop.wait())
-            if not stop.is_set():
-                log.info("core worker: cell %s is %s; not claiming", role.cell, role.role)
+            if self._task is not None:  # ended by itself (crashed): say so, start again
+                ended = (await asyncio.gather(self._task, return_exceptions=True))[0]
+                log.error("core worker had ended with %r; starts again", ended)
+            self._pause = asyncio.Event()
+            self._task = asyncio.create_task(self.worker.run(self._pause))
+            log.info("core worker: cell %s trains; claiming micro-steps", self.cell)
+
+    async def leave(self) -> None:
+        async with self._lock:
+            if self._task is None:
+                return
+            self._pause.set()
+            ended = (await asyncio.gather(self._task, return_exceptions=True))[0]
+            if isinstance(ended, BaseException):
+                log.error("core worker ended with %r", ended)
+            self._task = None
+            log.info("core worker: cell %s leaves training; not claiming", self.cell)
+
+    async def serve(self, nc: Any, run_id: str) -> Any:
+        async def on_request(msg: Any) -> None:
+            try:
+                op = json.loads(msg.data).get("op")
+                if op == "join":
+                    await self.join()
+                elif op == "leave":
+                    await self.leave()
+                else:
+                    raise ValueError("expected {'op': 'join'} or {'op': 'leave'}")
+                answer = {"ok": True, "claiming": self.claiming}
+            except Exception as exc:
+                answer = {"ok": False, "reason": str(exc), "claiming": self.claiming}
+            await msg.respond(json.dumps(answer).encode())
+
+        return await nc.subscribe(command_subject(run_id, self.cell), cb=on_request)
+
+
+async def run_gated(worker: Any, bus: Any, run_id: str, cell: str, stop: asyncio.Event) -> None:
+    """The core's own work under ``follow_role``: answers its cell's join/leave requests
+    until ``stop``; starts claiming at once if the cell is in training already."""
+    gated = GatedWorker(worker, cell)
+    sub = await gated.serve(bus.nc, run_id)
+    try:
+        if await last_role(bus, run_id, cell) == "training":
+            await gated.join()
+        await stop.wait()
     finally:
-        follower.cancel()
-        await asyncio.gather(follower, return_exceptions=True)
+        await sub.unsubscribe()
+        await gated.leave()
+
+
+async def request(nc: Any, run_id: str, cell: str, op: str, *, timeout_s: float) -> dict[str, Any]:
+    """What the core cell's seat sends; raises when the trainer does not answer or refuses."""
+    msg = await nc.request(command_subject(run_id, cell), json.dumps({"op": op}).encode(), timeout=timeout_s)
+    answer = json.loads(msg.data)
+    if not answer.get("ok"):
+        raise RuntimeError(f"the core trainer refused {op}: {answer.get('reason')}")
+    return answer

@@ -9,8 +9,8 @@ line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
 (``cell=url,cell=url``: inference cells to publish weights to), ``publish_mode``
 (``tensor`` | ``disk``), ``publish_pause`` (``none`` | ``in_place``: pause generation
 around every update; an engine that refuses updates while it generates is paused anyway),
-``follow_role`` (core: its own worker claims micro-steps only while the cells stream has
-``cell`` in training; the core applies updates in every role).
+``follow_role`` (core: its own worker claims micro-steps only between its cell's join and
+leave requests, ``gate.py``; the core applies updates in every role).
 """
 
 from __future__ import annotations
@@ -199,9 +199,9 @@ async def trainer_main(ctx: ServiceContext) -> None:
     follow = str(_opt(options, "follow_role", str, "0")).strip().lower() in ("1", "true", "yes", "on")
     ctx.health.ok(role=role, cell=cell, checkpoints=str(checkpoints), follows_role=follow)
     if follow:  # the core's own worker claims only while its cell trains (gate.py)
-        from .gate import CellRole, run_gated
+        from .gate import run_gated
 
-        own_work = run_gated(worker, CellRole(run_id, cell), rt.bus, ctx.stop)
+        own_work = run_gated(worker, rt.bus, run_id, cell, ctx.stop)
     else:
         own_work = worker.run(ctx.stop)
     try:

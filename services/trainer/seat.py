@@ -52,6 +52,11 @@ class SatelliteSeat:
     _prefetcher: asyncio.Task | None = None
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _task: asyncio.Task | None = None
+    _busy: bool = False  # joining, trained or leaving: no prefetching meanwhile
+    _closed: bool = False
+    # join, leave, close and a prefetch's store take turns (a prefetch in flight finishes
+    # before a join reads the cache: one read of the blob, one copy in memory)
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def prepare(self) -> None:
         """At agent start: import the model code once (as a long-lived trainer has), so a
@@ -63,29 +68,37 @@ class SatelliteSeat:
             self._prefetcher = asyncio.create_task(self._prefetch_loop())
 
     async def close(self) -> None:
-        await self.leave()
+        """At the cell's shutdown: no more joins, the prefetching stopped, the worker left."""
+        self._closed = True
         if self._prefetcher is not None:
             self._prefetcher.cancel()
             await asyncio.gather(self._prefetcher, return_exceptions=True)
             self._prefetcher = None
+        await self.leave()
+        self._cached = None
 
     async def _prefetch_loop(self) -> None:
         source = BusWeightSource(self.bus, self.blobs, self.settings.run_id)
         while True:
             try:
-                if not self.joined:
-                    await self._prefetch_once(source)
+                await self._prefetch_once(source)
             except Exception as exc:  # the log or the store may be restarting: try again later
                 log.warning("satellite %s: prefetching weights failed: %r", self.settings.cell, exc)
             await asyncio.sleep(self.prefetch_every_s)
 
     async def _prefetch_once(self, source: BusWeightSource) -> None:
+        if self._busy:
+            return
         ev = await source.last_event()
         if ev is None or ev.checkpoint_digest is None:
             return
         if self._cached is not None and self._cached[0] >= ev.weight_version:
             return
-        self._cached = (ev.weight_version, await self.blobs.get(ev.checkpoint_digest))
+        async with self._lock:
+            if self._busy or (self._cached is not None and self._cached[0] >= ev.weight_version):
+                return
+            self._cached = None  # the older copy goes before the newer one arrives
+            self._cached = (ev.weight_version, await self.blobs.get(ev.checkpoint_digest))
         log.info("satellite %s: prefetched weights v%d", self.settings.cell, ev.weight_version)
 
     @property
@@ -94,62 +107,71 @@ class SatelliteSeat:
 
     async def _newest_weights(self, source: BusWeightSource) -> tuple[int, dict[str, Any], bool] | None:
         """The newest published version and its weights, from the prefetched bytes when they
-        are that version (True), else from the blob store."""
+        are that version (True), else from the blob store. The bytes are dropped once
+        loaded (the model holds the weights now; the next version is prefetched after
+        leaving)."""
         from safetensors.torch import load
 
         ev = await source.last_event()
         if ev is None or ev.checkpoint_digest is None:
             return None
-        cached = self._cached
+        cached, self._cached = self._cached, None
         if cached is not None and cached[0] == ev.weight_version:
             return ev.weight_version, await asyncio.to_thread(load, cached[1]), True
+        del cached
         data = await self.blobs.get(ev.checkpoint_digest)
-        self._cached = (ev.weight_version, data) if self.prefetch else None
         return ev.weight_version, await asyncio.to_thread(load, data), False
 
     async def join(self, weight_version: int) -> None:
-        if self._task is not None and not self._task.done():
-            return
-        self._task = None  # a worker that ended (crashed) is replaced
-        start = time.monotonic()
-        try:
-            if self.backend is None:
-                self.backend = await asyncio.to_thread(self.build_backend)
-            built = time.monotonic()
-            weights = BusWeightSource(self.bus, self.blobs, self.settings.run_id)
-            worker = MicroStepWorker(self.settings, self.backend, bus=self.bus, blobs=self.blobs,
-                                     gradients=self.gradients, weights=weights)
-            newest = await self._newest_weights(weights)
-            version, prefetched = -1, False
-            if newest is not None:  # the core has published: hold its newest weights before claiming
-                version, state, prefetched = newest
-                await asyncio.to_thread(self.backend.load_hf_state_dict, state)
-                worker.version = version  # (a newer one published meanwhile is pulled at the next claim)
-        except BaseException:
-            self._free()  # a failed join holds no memory: the cell goes back to serving
-            raise
-        self.last_join = {"build_s": built - start, "pull_s": time.monotonic() - built, "version": float(version),
-                          "prefetched": float(prefetched)}
-        self.worker, self.joins = worker, self.joins + 1
-        self._stop = asyncio.Event()
-        self._task = asyncio.create_task(worker.run(self._stop))
+        async with self._lock:
+            if self._closed:
+                raise RuntimeError(f"satellite {self.settings.cell} is closed")
+            if self._task is not None and not self._task.done():
+                return
+            self._task, self._busy = None, True  # a worker that ended (crashed) is replaced
+            start = time.monotonic()
+            try:
+                if self.backend is None:
+                    self.backend = await asyncio.to_thread(self.build_backend)
+                built = time.monotonic()
+                weights = BusWeightSource(self.bus, self.blobs, self.settings.run_id)
+                worker = MicroStepWorker(self.settings, self.backend, bus=self.bus, blobs=self.blobs,
+                                         gradients=self.gradients, weights=weights)
+                newest = await self._newest_weights(weights)
+                version, prefetched = -1, False
+                if newest is not None:  # the core has published: hold its newest weights before claiming
+                    version, state, prefetched = newest
+                    await asyncio.to_thread(self.backend.load_hf_state_dict, state)
+                    del state
+                    worker.version = version  # (a newer one published meanwhile is pulled at the next claim)
+            except BaseException:
+                self._free()  # a failed join holds no memory: the cell goes back to serving
+                self._busy = False
+                raise
+            self.last_join = {"build_s": built - start, "pull_s": time.monotonic() - built,
+                              "version": float(version), "prefetched": float(prefetched)}
+            self.worker, self.joins = worker, self.joins + 1
+            self._stop = asyncio.Event()
+            self._task = asyncio.create_task(worker.run(self._stop))
         log.info("satellite %s joined training at v%d (model %.2fs, weights %.2fs%s)", self.settings.cell, version,
                  self.last_join["build_s"], self.last_join["pull_s"], ", prefetched" if prefetched else "")
 
     async def leave(self) -> None:
-        if self._task is not None:
-            self._stop.set()
-            results = await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-            if self.worker is not None:
-                self.micro_steps_done.extend(self.worker.done)
-            if isinstance(results[0], BaseException):
-                log.error("satellite %s: worker ended with %r", self.settings.cell, results[0])
-            log.info("satellite %s left training (%d micro-steps over %d joins)", self.settings.cell,
-                     len(self.micro_steps_done), self.joins)
-        if not self.keep_model:
-            self._free()
-            await asyncio.to_thread(gc.collect)
+        async with self._lock:
+            if self._task is not None:
+                self._stop.set()
+                results = await asyncio.gather(self._task, return_exceptions=True)
+                self._task = None
+                if self.worker is not None:
+                    self.micro_steps_done.extend(self.worker.done)
+                if isinstance(results[0], BaseException):
+                    log.error("satellite %s: worker ended with %r", self.settings.cell, results[0])
+                log.info("satellite %s left training (%d micro-steps over %d joins)", self.settings.cell,
+                         len(self.micro_steps_done), self.joins)
+            if not self.keep_model:
+                self._free()
+                await asyncio.to_thread(gc.collect)
+            self._busy = False
 
     def _free(self) -> None:
         self.backend, self.worker = None, None

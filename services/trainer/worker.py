@@ -69,40 +69,6 @@ class BusWeightSource:
         ev = await self._last()
         return -1 if ev is None else ev.weight_version
 
-    async def fetch(self, version: int) -> dict[str, torch.Tensor]: ...
-
-
-class BusWeightSource:
-    """The newest ``WeightsPublished`` on the log names the weights blob (safetensors)."""
-
-    def __init__(self, bus: EventBus, blobs: BlobStore, run_id: str) -> None:
-        self.bus, self.blobs = bus, blobs
-        self.subject = f"gyre.{run_id}.{Context.TRAINING.value}.{WeightsPublished.TYPE}"
-
-    async def last_event(self) -> WeightsPublished | None:
-        """The newest ``WeightsPublished`` (None before the first)."""
-        return await self._last()
-
-    async def _last(self) -> WeightsPublished | None:
-        from libs.common.events import decode
-
-        raw = await self.bus.last_on_subject(Context.TRAINING, self.subject)
-        return None if raw is None else decode(raw.data)
-
-    async def current_version(self) -> int:
-        ev = await self._last()
-        return -1 if ev is None else ev.weight_version
-
-    async def newest(self) -> tuple[int, dict[str, torch.Tensor]] | None:
-        """The newest published version and its weights, read from one event (no race with
-        a publication in between); None before the first."""
-        from safetensors.torch import load
-
-        ev = await self._last()
-        if ev is None or ev.checkpoint_digest is None:
-            return None
-        return ev.weight_version, load(await self.blobs.get(ev.checkpoint_digest))
-
     async def fetch(self, version: int) -> dict[str, torch.Tensor]:
         from safetensors.torch import load
 
@@ -126,7 +92,13 @@ class WorkerSettings:
 def work_queue_config(settings: WorkerSettings) -> ConsumerConfig:
     return ConsumerConfig(name=settings.queue_name, context=Context.TREES,
                           filter_subject=f"gyre.{settings.run_id}.trees.{MicroStepQueued.TYPE}.>",
-                          batch=1, max_deliver=20, ack_wait_s=settings.ack_wait_s)
+                          batch=1, max_deliver=MAX_DELIVER, ack_wait_s=settings.ack_wait_s)
+
+
+# Every time a cell leaves training while its claim waits for weights, the claim goes back
+# to the queue and counts as a delivery; a core that follows its cell's role leaves once or
+# twice per step, so the bound is generous (it stops only a micro-step that keeps failing).
+MAX_DELIVER = 200
 
 
 async def load_samples(blobs: BlobStore, ev: MicroStepQueued, vocab: int, version: int,

@@ -1,52 +1,67 @@
-"""The core's own worker follows its cell's role when ``follow_role`` is on (real NATS)."""
+"""The core's own worker under ``follow_role`` (real NATS): it claims only between its
+cell's join and leave requests (the core cell's ``TrainerSeat``), leave is answered after
+the work in hand, and a restarted trainer of a training cell claims again at once."""
 
 from __future__ import annotations
 
 import asyncio
 
-from libs.common.events import CellRegistered, SwitchCompleted, SwitchFailed
-from services.trainer.gate import CellRole, run_gated
+import pytest
+
+from libs.common.events import CellRegistered, SwitchCompleted
+from services.cell.main import TrainerSeat
+from services.trainer.gate import run_gated
 
 
 class RecordingWorker:
-    """Stands for MicroStepWorker: records when it runs and stops (the gating is what is tested)."""
+    """Stands for MicroStepWorker (the gating is what is tested): runs until paused, and
+    finishes a 'micro-step in hand' of ``hold_s`` before it returns."""
 
-    def __init__(self) -> None:
-        self.runs = 0
-        self.running = False
+    def __init__(self, hold_s: float = 0.0) -> None:
+        self.runs, self.running, self.hold_s = 0, False, hold_s
 
     async def run(self, stop) -> None:
         self.runs += 1
         self.running = True
         try:
             await stop.wait()
+            await asyncio.sleep(self.hold_s)
         finally:
             self.running = False
 
 
-async def _until(cond, timeout=10.0):
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
-
-
-async def test_the_core_worker_claims_only_while_its_cell_trains(js_bus) -> None:
-    worker, stop = RecordingWorker(), asyncio.Event()
-    role = CellRole("gate", "c0")
-    task = asyncio.create_task(run_gated(worker, role, js_bus, stop))
+async def test_the_core_worker_claims_only_between_join_and_leave(js_bus) -> None:
+    worker, stop = RecordingWorker(hold_s=0.3), asyncio.Event()
     await js_bus.publish(CellRegistered(run_id="gate", cell="c0", role="inference", is_core=True, capacity=4))
-    await _until(lambda: role.role == "inference")
-    await asyncio.sleep(0.2)
-    assert worker.runs == 0
-    await js_bus.publish(SwitchCompleted(run_id="gate", cell="c1", role="training", weight_version=0))  # not ours
-    await js_bus.publish(SwitchCompleted(run_id="gate", cell="c0", role="training", weight_version=0))
-    await _until(lambda: worker.running)
-    await js_bus.publish(SwitchCompleted(run_id="gate", cell="c0", role="inference", weight_version=1))
-    await _until(lambda: not worker.running)
-    await js_bus.publish(SwitchFailed(run_id="gate", cell="c0", role="training", phase="resuming", reason="oom"))
-    await _until(lambda: worker.running and worker.runs == 2)  # rolled back to training: claims again
+    task = asyncio.create_task(run_gated(worker, js_bus, "gate", "c0", stop))
+    seat = TrainerSeat(js_bus, "gate", "c0")
+    await seat.join(0)  # retried until the trainer has subscribed
+    assert worker.running
+    await seat.leave()
+    assert not worker.running and worker.runs == 1  # answered after the work in hand
+    await seat.join(0)
+    await seat.join(0)  # idempotent
+    assert worker.runs == 2
     stop.set()
     await asyncio.wait_for(task, 10)
     assert not worker.running
+
+
+async def test_a_restarted_core_of_a_training_cell_claims_at_once(js_bus) -> None:
+    await js_bus.publish(CellRegistered(run_id="gate2", cell="c0", role="inference", is_core=True, capacity=4))
+    await js_bus.publish(SwitchCompleted(run_id="gate2", cell="c0", role="training", weight_version=0))
+    worker, stop = RecordingWorker(), asyncio.Event()
+    task = asyncio.create_task(run_gated(worker, js_bus, "gate2", "c0", stop))
+    for _ in range(200):
+        if worker.running:
+            break
+        await asyncio.sleep(0.02)
+    assert worker.running
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_a_seat_without_its_trainer_fails_the_join_clearly(js_bus) -> None:
+    seat = TrainerSeat(js_bus, "gate3", "c0", tries=2)  # the switch then rolls back to inference
+    with pytest.raises(RuntimeError, match="no core trainer answers for cell c0"):
+        await seat.join(0)

@@ -64,3 +64,19 @@ def test_the_run_configs_objective_reaches_the_trainer_and_a_step_replay_alike()
     assert (replayed.objective.eps_low, replayed.objective.tis_cap, replayed.lr) == (0.1, 3.0, 0.002)
     assert "GYRE_TRAINER_TIS_CAP" not in [x for x in plan_stack(load_run_config(None, ["cells.count=1", "loss.tis_cap=null"]),
                                                                 "tok") if x.service == "trainer"][0].env
+
+
+def test_core_follows_role_reaches_the_trainer_and_the_core_cell_and_satellites_get_the_objective():
+    from gyre.up import follow_role_note, plan_stack
+    from libs.common.runconfig import load_run_config
+
+    cfg = load_run_config(None, ["cells.count=2", "cells.core_follows_role=true", "loss.clip_low=0.1"])
+    plan = {x.name: x.env for x in plan_stack(cfg, "tok")}
+    assert plan["trainer"]["GYRE_TRAINER_FOLLOW_ROLE"] == "1" and plan["cell-c0"]["GYRE_CELL_SEAT"] == "trainer"
+    assert "GYRE_CELL_SEAT" not in plan["cell-c1"]  # a satellite, the non-core default
+    assert plan["cell-c1"]["GYRE_TRAINER_EPS_LOW"] == plan["trainer"]["GYRE_TRAINER_EPS_LOW"] == "0.1"
+    assert follow_role_note(cfg) is None
+    one = load_run_config(None, ["cells.count=1", "cells.core_follows_role=true"])
+    plan = {x.name: x.env for x in plan_stack(one, "tok")}
+    assert plan["trainer"]["GYRE_TRAINER_FOLLOW_ROLE"] == "0" and "GYRE_CELL_SEAT" not in plan["cell-c0"]
+    assert "one cell" in follow_role_note(one)
