@@ -1,5 +1,7 @@
 """What a cell agent drives: the proxy (drain, evacuate, activate), its inference engine
-(release/resume memory), and its training seat (join/leave)."""
+(release/resume memory), and its training seat (join/leave): ``WeightsSeat``,
+``TrainerSeat`` (the core cell whose trainer follows its role), ``NoSeat``; a non-core
+cell's satellite is ``services.trainer.seat.SatelliteSeat``."""
 
 from __future__ import annotations
 
@@ -144,3 +146,47 @@ class WeightsSeat:
     async def leave(self) -> None:
         self.model = None
         gc.collect()
+
+
+class NoSeat:
+    """A cell that hosts nothing while it trains (its training replica lives elsewhere and
+    does not follow the cell's switches)."""
+
+    async def join(self, weight_version: int) -> None:
+        return None
+
+    async def leave(self) -> None:
+        return None
+
+
+class TrainerSeat:
+    """The core cell whose trainer service follows its role (``cells.core_follows_role``,
+    ``GYRE_TRAINER_FOLLOW_ROLE``): ``join`` asks the trainer to start claiming, ``leave``
+    to stop, answered once its micro-step in hand is done, so the engine takes its memory
+    back only after that (``services/trainer/gate.py``)."""
+
+    def __init__(self, bus, run_id: str, cell: str, *, join_timeout_s: float = 60.0,
+                 leave_timeout_s: float = 600.0, tries: int = 20) -> None:
+        self.bus, self.run_id, self.cell = bus, run_id, cell
+        self.join_timeout_s, self.leave_timeout_s, self.tries = join_timeout_s, leave_timeout_s, tries
+
+    async def _ask(self, op: str, timeout_s: float) -> None:
+        from nats.errors import NoRespondersError
+
+        from services.trainer.gate import request
+
+        for attempt in range(self.tries):  # the trainer may be subscribing still (it starts beside the cell)
+            try:
+                await request(self.bus.nc, self.run_id, self.cell, op, timeout_s=timeout_s)
+                return
+            except NoRespondersError:
+                if attempt == self.tries - 1:
+                    raise RuntimeError(f"no core trainer answers for cell {self.cell} "
+                                       "(is it running with GYRE_TRAINER_FOLLOW_ROLE=1?)") from None
+                await asyncio.sleep(0.5)
+
+    async def join(self, weight_version: int) -> None:
+        await self._ask("join", self.join_timeout_s)
+
+    async def leave(self) -> None:
+        await self._ask("leave", self.leave_timeout_s)

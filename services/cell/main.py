@@ -9,8 +9,9 @@ it trains: ``satellite``, a trainer replica that claims micro-steps and sends gr
 to the core, the default for every cell but the core; ``weights``, which only loads the
 policy weights, the default for the core cell, whose optimizer lives in the trainer
 service; ``trainer``, the core cell when the trainer service follows its role: join and
-leave are requests to that trainer; ``none``, nothing). A satellite takes the trainer's ``GYRE_TRAINER_*`` options (backend, objective,
-``GYRE_TRAINER_TRANSFER``) so it computes exactly what the core's own worker would; it
+leave are requests to that trainer; ``none``, nothing). A satellite takes the trainer's
+``GYRE_TRAINER_*`` options (backend, objective, ``GYRE_TRAINER_TRANSFER``) so it computes
+exactly what the core's own worker would; it
 prefetches each newly published version's weights into host memory while the cell serves
 (``GYRE_CELL_PREFETCH_WEIGHTS=0`` turns that off: joining then reads them from the blob
 store).
@@ -23,7 +24,7 @@ from pathlib import Path
 
 from libs.common.service import ServiceContext, ServiceSpec
 
-from .adapters import EngineControl, LatestWeights, ProxyControl, WeightsSeat
+from .adapters import EngineControl, LatestWeights, NoSeat, ProxyControl, TrainerSeat, WeightsSeat
 from .agent import CellAgent
 
 
@@ -51,52 +52,6 @@ def training_seat(kind: str, *, name: str, run_id: str, bus, blobs, environ=os.e
         seat.prefetch = environ.get("GYRE_CELL_PREFETCH_WEIGHTS", "1").strip() not in ("0", "false", "no", "off")
         return seat
     raise ValueError(f"GYRE_CELL_SEAT={kind!r}: expected 'satellite', 'weights', 'trainer' or 'none'")
-
-
-class NoSeat:
-    """A cell that hosts nothing while it trains (its training replica lives elsewhere and
-    does not follow the cell's switches)."""
-
-    async def join(self, weight_version: int) -> None:
-        return None
-
-    async def leave(self) -> None:
-        return None
-
-
-class TrainerSeat:
-    """The core cell whose trainer service follows its role (``cells.core_follows_role``,
-    ``GYRE_TRAINER_FOLLOW_ROLE``): ``join`` asks the trainer to start claiming, ``leave``
-    to stop, answered once its micro-step in hand is done, so the engine takes its memory
-    back only after that (``services/trainer/gate.py``)."""
-
-    def __init__(self, bus, run_id: str, cell: str, *, join_timeout_s: float = 60.0,
-                 leave_timeout_s: float = 600.0, tries: int = 20) -> None:
-        self.bus, self.run_id, self.cell = bus, run_id, cell
-        self.join_timeout_s, self.leave_timeout_s, self.tries = join_timeout_s, leave_timeout_s, tries
-
-    async def _ask(self, op: str, timeout_s: float) -> None:
-        import asyncio
-
-        from nats.errors import NoRespondersError
-
-        from services.trainer.gate import request
-
-        for attempt in range(self.tries):  # the trainer may be subscribing still (it starts beside the cell)
-            try:
-                await request(self.bus.nc, self.run_id, self.cell, op, timeout_s=timeout_s)
-                return
-            except NoRespondersError:
-                if attempt == self.tries - 1:
-                    raise RuntimeError(f"no core trainer answers for cell {self.cell} "
-                                       "(is it running with GYRE_TRAINER_FOLLOW_ROLE=1?)") from None
-                await asyncio.sleep(0.5)
-
-    async def join(self, weight_version: int) -> None:
-        await self._ask("join", self.join_timeout_s)
-
-    async def leave(self) -> None:
-        await self._ask("leave", self.leave_timeout_s)
 
 
 async def cell_main(ctx: ServiceContext) -> None:

@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from libs.common.events import CellRegistered, SwitchCompleted
-from services.cell.main import TrainerSeat
+from services.cell.adapters import TrainerSeat
 from services.trainer.gate import run_gated
 
 
