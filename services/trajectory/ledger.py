@@ -189,7 +189,7 @@ class TrajectoryLedger:
         for lab in sealed.forks:
             out.events.append(ForkDetected(
                 event_id=event_id(run, "ForkDetected", f"{state.rollout_id}:{lab.call_id}"), rollout_id=state.rollout_id,
-                call_id=lab.call_id, fork_type=lab.fork, position=lab.position,
+                call_id=lab.call_id, fork_type=lab.fork, position=lab.position, role=lab.role,
                 parent_call_id=calls[lab.forked_from].call_id if lab.forked_from is not None else None,
                 **env))
         summary = tree_summary(state, sealed)
