@@ -123,13 +123,9 @@ class WeightsSeat:
 
     @staticmethod
     def _import(folder: Path) -> None:
-        from transformers import AutoConfig
-        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+        from services.engine.model_store import import_model_code
 
-        # transformers imports an architecture's module lazily, on the first model built
-        # (Qwen2: ~1.3 s, most of a first switch to training); resolving the folder's
-        # class here imports it while the cell still serves.
-        MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(folder)))]
+        import_model_code(folder)
 
     async def join(self, weight_version: int) -> None:
         start = time.monotonic()

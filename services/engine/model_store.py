@@ -249,3 +249,13 @@ def build_tiny_qwen_weights(folder: Path) -> None:
     ).save_pretrained(str(folder))
     meta = {"recipe": TINY_QWEN, "version": TINY_QWEN_VERSION, "seed": TINY_QWEN_SEED}
     (folder / "gyre_model.json").write_text(json.dumps(meta) + "\n")
+
+
+def import_model_code(folder: Path) -> None:
+    """Import the module of ``folder``'s architecture now. transformers imports it lazily,
+    on the first model built (Qwen2: ~1.3 s, most of a first switch to training); a cell
+    calls this at start, while it still serves. No weights are loaded."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(folder)))]

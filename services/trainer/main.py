@@ -80,17 +80,12 @@ def satellite_seat(run_id: str, cell: str, options: dict[str, Any], *, bus, blob
 
 
 def _import_model_code(options: dict[str, Any]) -> None:
-    """transformers imports an architecture's module on the first model built (~1.3 s for
-    Qwen2); resolving the class here imports it ahead of the first switch."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
-    from services.engine.model_store import resolve_model
+    """The policy's architecture and the trainer's backend imported ahead of the first switch."""
+    from services.engine.model_store import import_model_code, resolve_model
 
     from .backends import torch_hf  # noqa: F401
 
-    folder = resolve_model(_opt(options, "model", str, "tiny-qwen")).folder
-    MODEL_FOR_CAUSAL_LM_MAPPING[type(AutoConfig.from_pretrained(str(folder)))]
+    import_model_code(resolve_model(_opt(options, "model", str, "tiny-qwen")).folder)
 
 
 def train_config(options: dict[str, Any]) -> TrainConfig:
