@@ -128,20 +128,14 @@ class CoreTrainer:
         if ev.step != self.state.step or ev.micro_step in self.reducer.used:
             return  # an applied step's straggler, or a duplicate
         theirs = ev.gradient.get("objective")
-        if theirs is not None and theirs != objective_key(self.settings.train):
-            log.error("core: %s from cell %s was computed under %s, not the core's %s (a satellite configured "
-                      "apart from the core?); computes it again", ev.micro_step, ev.cell, theirs,
-                      objective_key(self.settings.train))
-            if ev.micro_step not in self.reducer.dropped:  # recomputed here once its MicroStepQueued is known
-                self.reducer.dropped.append(ev.micro_step)
-            queued = self.plans.get(ev.step, _StepPlan()).queued.get(ev.micro_step)
-            if queued is not None:
-                await self._recompute(queued)
-            self.reducer.rejected.extend(ev.gradient.get("rejected", []))
-            await self._maybe_finish()
-            return
         try:
-            result = await result_from_done(ev, self.gradients)
+            if theirs is not None and theirs != objective_key(self.settings.train):
+                log.error("core: %s from cell %s was computed under %s, not the core's %s (a satellite configured "
+                          "apart from the core?); computes it again", ev.micro_step, ev.cell, theirs,
+                          objective_key(self.settings.train))
+                result = replace(await result_from_done(_without_transfer(ev), self.gradients), weight_version=-1)
+            else:
+                result = await result_from_done(ev, self.gradients)
         except Exception as exc:  # lost with a restart, or its sender gone: compute it here instead
             log.info("core: gradient of %s unavailable (%s); computes it again", ev.micro_step, exc)
             result = replace(await result_from_done(_without_transfer(ev), self.gradients), weight_version=-1)
