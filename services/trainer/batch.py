@@ -1,10 +1,13 @@
 """Packed trees -> the tensors one forward pass trains on (pure: torch only, no I/O).
 
 A micro-step's samples (packed trees from :mod:`services.trajectory.packing`, each with
-its execution's advantage) are laid side by side in one sequence. Each tree keeps its
-segments; a token attends to its own segment up to itself and to its ancestor segments
-(:class:`TreeLayout`), so trees never see each other. The logits at a token's *parent*
-predict it: that is how the last prefix token predicts every child's first token.
+its execution's advantage) are laid out in one sequence. Untrained prefixes that several
+samples share (a group's system prompt and task, the context split pieces repeat) are
+laid out once (:func:`~services.trajectory.packing.merge_forest`); everything else keeps
+its own segments. A token attends to its own segment up to itself and to its ancestor
+segments (:class:`TreeLayout`), so a sample sees only its own tokens and the shared
+prefix it starts from, never another sample's. The logits at a token's *parent* predict
+it: that is how the last prefix token predicts every child's first token.
 
 Loss data: only positions with ``loss_mask`` 1 are targets, each with the packing's
 weight (1/N per execution, shared prefixes counted once). The trainer sums weight x
@@ -20,12 +23,13 @@ the equality proof's reference and the benchmark's flat baseline.
 from __future__ import annotations
 
 import math
+from array import array
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
-from services.trajectory.packing import PackedTree
+from services.trajectory.packing import MergedForest, PackedTree, merge_forest
 
 
 class BadSample(ValueError):
@@ -123,29 +127,46 @@ def _check_segments(p: PackedTree) -> None:
 
 # ------------------------------------------------------------------------- tree batch
 
-def tree_batch(samples: list[tuple[PackedTree, float]]) -> TreeBatch:
-    """All samples side by side in one sequence (validate them first)."""
-    tok, pos, seg_of, starts, parents_of_seg = [], [], [], [], []
+def tree_batch(samples: list[tuple[PackedTree, float]], *, merge: bool = True) -> TreeBatch:
+    """All samples in one sequence (validate them first).
+
+    With ``merge`` (the default) the samples' shared untrained prefixes are laid out once
+    (:func:`~services.trajectory.packing.merge_forest`: a group's common system prompt and
+    task, the context that split pieces repeat); the loss is the same either way, since
+    trained tokens are never merged. ``merge=False`` lays the trees side by side.
+    """
+    trees = [p for p, _ in samples]
+    forest = merge_forest(trees) if merge else _side_by_side(trees)
+    n_seg = len(forest.segment_starts)
+    ends = list(forest.segment_starts[1:]) + [forest.n_tokens]
+    seg_of: list[int] = []
+    for s in range(n_seg):
+        seg_of.extend([s] * (ends[s] - forest.segment_starts[s]))
     src, tgt, w, blp, adv = [], [], [], [], []
-    offset = 0
-    for p, advantage in samples:
-        base = len(starts)
-        for seg in p.segments:
-            starts.append(offset + seg.offset)
-            parents_of_seg.append(base + seg.parent if seg.parent >= 0 else -1)
-            seg_of.extend([len(starts) - 1] * seg.length)
-        tok.extend(p.token_ids)
-        pos.extend(p.position_ids)
+    for (p, advantage), index in zip(samples, forest.index):
         for i in range(p.n_tokens):
             if p.loss_mask[i]:
-                src.append(offset + p.parent_index[i])
+                src.append(index[p.parent_index[i]])
                 tgt.append(p.token_ids[i])
                 w.append(p.loss_weights[i])
                 blp.append(p.behaviour_logprobs[i])
                 adv.append(advantage)
-        offset += p.n_tokens
-    layout = _layout(seg_of, parents_of_seg, starts)
-    return _assemble(tok, pos, layout, src, tgt, w, blp, adv, samples)
+    layout = _layout(seg_of, list(forest.segment_parents), list(forest.segment_starts))
+    return _assemble(list(forest.token_ids), list(forest.position_ids), layout, src, tgt, w, blp, adv, samples)
+
+
+def _side_by_side(trees: list[PackedTree]) -> MergedForest:
+    """The trees one after another, each keeping its own segments (nothing merged)."""
+    tok, pos, starts, parents, index = array("i"), array("i"), array("i"), array("i"), []
+    for p in trees:
+        offset, base = len(tok), len(starts)
+        for seg in p.segments:
+            starts.append(offset + seg.offset)
+            parents.append(base + seg.parent if seg.parent >= 0 else -1)
+        tok.extend(p.token_ids)
+        pos.extend(p.position_ids)
+        index.append(array("i", range(offset, offset + p.n_tokens)))
+    return MergedForest(tok, pos, starts, parents, tuple(index))
 
 
 def branch_batch(samples: list[tuple[PackedTree, float]]) -> TreeBatch:

@@ -9,11 +9,18 @@ repeated by splitting included), ``train_token_ratio``, ``build_s_per_1m_new_tok
 distinct (prefix, token) positions agrees). Extra fields explain the numbers; ``seal_s``
 is the time to classify, sample and pack (not part of building).
 
+The preset's rollouts are one group (same system prompt and task). With ``group_merge``
+(the default, as the trainer does it) the group's packed trees are laid out in
+micro-steps of ``max_piece_tokens`` (no limit when None) with their shared untrained
+prefixes once (``packing.plan_micro_steps``), and ``train_tree_tokens`` counts that
+layout; ``train_tree_tokens_per_rollout`` / ``train_token_ratio_per_rollout`` count each
+rollout's trees on their own.
+
 Options (all optional): ``preset`` (``default``; ``small``, the default at 1/40 of its
 token sizes with 2 rollouts, which the trainer's benchmark trains; ``tiny``), any
 :class:`~services.trajectory.workload.WorkloadPreset` field (``rollouts``, ``main_turns``,
 ``compact_at``, ``retry_prob``, ...), ``budget`` (branches per rollout, 5),
-``max_piece_tokens`` (None), ``verify`` (True).
+``max_piece_tokens`` (None), ``verify`` (True), ``group_merge`` (True).
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from dataclasses import fields
 
 from .forks import HARNESS_RULES
 from .rollout_tree import RolloutTree, SealedTree, TreeConfig
-from .packing import PackedTree
+from .packing import PackedTree, common_prefix_bytes, plan_micro_steps
 from .records import CallRecord
 from .workload import COMPACTION_INSTRUCTION, WorkloadPreset, generate, preset
 
@@ -34,6 +41,7 @@ def run_bench(**opts) -> dict:
     budget = int(opts.pop("budget", 5))
     max_piece = opts.pop("max_piece_tokens", None)
     verify = bool(opts.pop("verify", True))
+    group_merge = bool(opts.pop("group_merge", True))
     known = {f.name for f in fields(WorkloadPreset)}
     p = preset(name, **{k: v for k, v in opts.items() if k in known and v is not None})
     t0 = time.perf_counter()
@@ -45,13 +53,22 @@ def run_bench(**opts) -> dict:
     forks: Counter = Counter()
     roles: Counter = Counter()
     verified = True
+    group: list[PackedTree] = []
     for calls in rollouts:
         result = _measure_rollout(calls, config, totals)
         forks.update(lab.fork for lab in result.labels if lab.fork)
         roles.update(b.role for b in result.selected)
+        group.extend(result.packed)
         if verify:
             verified &= distinct_positions(calls) == totals.pop("_stored_here")
-    return _report(name, p, totals, forks, roles, verified if verify else None, gen_s)
+    t0 = time.perf_counter()
+    plans = plan_micro_steps(group, max_piece) if group_merge else [([k], pk.n_tokens) for k, pk in enumerate(group)]
+    totals["merge_us"] += int((time.perf_counter() - t0) * 1e6)
+    totals["train_tree_merged"] = sum(size for _, size in plans)
+    totals["micro_steps"] = len(plans)
+    report = _report(name, p, totals, forks, roles, verified if verify else None, gen_s)
+    report["group_merge"] = group_merge
+    return report
 
 
 def _measure_rollout(calls: list[CallRecord], config: TreeConfig, totals: Counter) -> SealedTree:
@@ -89,8 +106,8 @@ def _report(name, p, totals, forks, roles, verified, gen_s) -> dict:
         "stored_tokens": totals["stored"],
         "storage_ratio": round(totals["flat"] / max(1, totals["stored"]), 3),
         "train_flat_tokens": totals["train_flat"],
-        "train_tree_tokens": totals["train_tree"],
-        "train_token_ratio": round(totals["train_flat"] / max(1, totals["train_tree"]), 3),
+        "train_tree_tokens": totals["train_tree_merged"],
+        "train_token_ratio": round(totals["train_flat"] / max(1, totals["train_tree_merged"]), 3),
         "build_s_per_1m_new_tokens": round(build_s / max(1e-9, totals["new"] / 1e6), 4),
         "stored_tokens_verified": verified,
         "new_tokens": totals["new"],
@@ -104,6 +121,11 @@ def _report(name, p, totals, forks, roles, verified, gen_s) -> dict:
         "trained_tokens": totals["trained"],
         "packed_pieces": totals["pieces"],
         "split_duplicated_tokens": totals["context"],
+        "train_tree_tokens_per_rollout": totals["train_tree"],
+        "train_token_ratio_per_rollout": round(totals["train_flat"] / max(1, totals["train_tree"]), 3),
+        "group_shared_tokens": totals["train_tree"] - totals["train_tree_merged"],
+        "micro_steps": totals["micro_steps"],
+        "merge_s": round(totals["merge_us"] / 1e6, 4),
     }
 
 
@@ -120,7 +142,7 @@ def distinct_positions(calls: list[CallRecord]) -> int:
         seqs[call.call_id] = head + _i32(call.new_input_ids) + _i32(call.output_ids)
     ordered = sorted(seqs.values())
     total = sum(len(s) for s in ordered) // 4
-    shared = sum(_common_prefix_bytes(a, b) // 4 for a, b in zip(ordered, ordered[1:]))
+    shared = sum(common_prefix_bytes(a, b) // 4 for a, b in zip(ordered, ordered[1:]))
     return total - shared
 
 
@@ -128,19 +150,6 @@ def _i32(ids) -> bytes:
     from .codec import encode_ids
 
     return encode_ids(ids)
-
-
-def _common_prefix_bytes(a: bytes, b: bytes) -> int:
-    lo, hi = 0, min(len(a), len(b))
-    if a[:hi] == b[:hi]:
-        return hi
-    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
-        mid = (lo + hi) // 2
-        if a[lo:mid] == b[lo:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def packed_samples(preset_name: str = "default", *, budget: int = 5,

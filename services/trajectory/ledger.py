@@ -14,7 +14,10 @@ Sealing emits ``ForkDetected`` for every fork, ``TreeSealed`` (its digest names 
 summary blob for ``gyre tree show``) and ``SamplesSelected`` (digests of the packed trees,
 stored as blobs). When every rollout of a group is sealed, the group's advantages are
 computed and its samples queued as ``MicroStepQueued`` events of at most
-``micro_step_tokens`` tokens each (a bigger sample gets a micro-step of its own).
+``micro_step_tokens`` tokens each (a bigger sample gets a micro-step of its own). The
+trainer lays a micro-step's samples out with their shared untrained prefixes once (the
+group's prompt, the context split pieces repeat: ``packing.merge_forest``), so a batch's
+``n_tokens`` is that merged size and samples are added while it stays in the budget.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from libs.common.events.trees import SampleRef
 from .advantages import AdvantageConfig, group_advantages
 from .codec import encode_packed, sha256_hex
 from .forks import HARNESS_RULES, HarnessRules
+from .packing import PackedTree, plan_micro_steps
 from .records import CallRecord
 from .rollout_tree import CallOutcome, RolloutTree, SealedTree, TreeConfig
 
@@ -87,6 +91,7 @@ class RolloutState:
     scoring_failed: str | None = None
     tree: RolloutTree | None = None
     samples: list[SampleRef] = field(default_factory=list)
+    packed: list[PackedTree] = field(default_factory=list)  # parallel to samples, until queued
 
     @property
     def judged(self) -> bool:
@@ -207,6 +212,8 @@ class TrajectoryLedger:
             state.samples.append(SampleRef(digest=sha256_hex(data), role=packed.role,
                                            n_tokens=packed.n_tokens,
                                            n_trained_tokens=packed.n_trained_tokens))
+            if state.purpose != "eval":  # evaluation rollouts are never queued
+                state.packed.append(packed)
         for k in range(0, max(1, len(state.samples)), 64):  # the event holds 64 at most
             key = state.rollout_id if k == 0 else f"{state.rollout_id}:{k // 64}"
             out.events.append(SamplesSelected(
@@ -231,23 +238,20 @@ class TrajectoryLedger:
 
     def _micro_steps(self, group_id, states, advantages, cause) -> list[Event]:
         run = self.config.run_id
-        batches: list[list[tuple[SampleRef, float]]] = [[]]
-        size = 0
+        samples = [(ref, advantages[s.rollout_id], packed)
+                   for s in states for ref, packed in zip(s.samples, s.packed)]
         for s in states:
-            for ref in s.samples:
-                if batches[-1] and size + ref.n_tokens > self.config.micro_step_tokens:
-                    batches.append([])
-                    size = 0
-                batches[-1].append((ref, advantages[s.rollout_id]))
-                size += ref.n_tokens
+            s.packed = []  # queued: the blobs hold them from here on
+        plans = plan_micro_steps([p for _, _, p in samples], self.config.micro_step_tokens)
         step = states[0].step if states else 0
         events = []
-        for k, batch in enumerate(b for b in batches if b):
+        for k, (members, size) in enumerate(plans):
             name = f"{group_id}-m{k}"
+            batch = [samples[i] for i in members]
             events.append(MicroStepQueued(
                 event_id=event_id(run, "MicroStepQueued", name), run_id=run, step=step,
-                micro_step=name, group_id=group_id, sample_digests=[r.digest for r, _ in batch],
-                advantages=[a for _, a in batch], n_tokens=sum(r.n_tokens for r, _ in batch),
+                micro_step=name, group_id=group_id, sample_digests=[r.digest for r, _, _ in batch],
+                advantages=[a for _, a, _ in batch], n_tokens=size,
                 causation_id=cause.event_id, correlation_id=cause.correlation_id or cause.event_id,
                 time=cause.time))
         return events

@@ -303,3 +303,171 @@ def dense_mask(packed: PackedTree) -> list[list[bool]]:
             i = packed.parent_index[i]
         rows.append(row)
     return rows
+
+
+# ------------------------------------------------------------ merging a micro-step's trees
+
+@dataclass(frozen=True, eq=False)
+class MergedForest:
+    """Several packed trees laid out as one forest whose shared untrained prefixes appear once.
+
+    The rollouts of one group start with the same system prompt and task; the pieces of a
+    split tree repeat their ancestor context. When such samples share a micro-step, the
+    trainer computes each shared run once: runs of *untrained* tokens (mask 0 in every
+    tree that holds them) with the same ancestors, positions and token ids are merged,
+    radix-tree style. Trained tokens are never merged, so each keeps its own tree's
+    weight, behaviour logprob and advantage, and the loss is the unmerged loss.
+
+    ``segment_starts`` / ``segment_parents`` / ``segment_depths`` describe the merged
+    segments (ancestors first); ``index[k][i]`` is where token ``i`` of tree ``k`` lies.
+    """
+
+    token_ids: array  # 'i'
+    position_ids: array  # 'i'
+    segment_starts: array  # 'i'
+    segment_parents: array  # 'i': -1 at a root
+    index: tuple[array, ...]  # per tree: 'i', merged position of each of its tokens
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def n_segments(self) -> int:
+        return len(self.segment_starts)
+
+
+class _Node:
+    __slots__ = ("tree", "start", "length", "parent", "depth", "children", "shared")
+
+    def __init__(self, tree: int, start: int, length: int, parent: int, depth: int, shared: bool) -> None:
+        self.tree, self.start, self.length = tree, start, length
+        self.parent, self.depth, self.shared = parent, depth, shared
+        self.children: list[int] = []
+
+
+def merge_forest(trees: list[PackedTree]) -> MergedForest:
+    """Lay ``trees`` out as one forest, each shared untrained prefix once (see MergedForest)."""
+    nodes: list[_Node] = []
+    roots: list[int] = []
+    shared_child: dict[tuple[int, int, int], int] = {}  # (parent or -1, depth, first token) -> node
+    ends: list[list[int]] = []  # per tree, per segment: the node holding its last token
+    raw = [t.token_ids.tobytes() for t in trees]
+
+    def attach(node: int) -> None:
+        n = nodes[node]
+        (nodes[n.parent].children if n.parent >= 0 else roots).append(node)
+
+    def token(node: int, j: int) -> int:
+        n = nodes[node]
+        return trees[n.tree].token_ids[n.start + j]
+
+    for k, t in enumerate(trees):
+        seg_end: list[int] = []
+        for seg in t.segments:
+            parent = seg_end[seg.parent] if seg.parent >= 0 else -1
+            depth = seg.depth
+            i, stop = seg.offset, seg.offset + seg.length
+            untrained = t.loss_mask.find(1, i, stop)
+            untrained = stop if untrained < 0 else untrained
+            while i < untrained:
+                key = (parent, depth, t.token_ids[i])
+                child = shared_child.get(key)
+                if child is None:
+                    child = len(nodes)
+                    nodes.append(_Node(k, i, untrained - i, parent, depth, True))
+                    shared_child[key] = child
+                    attach(child)
+                    parent, depth, i = child, depth + untrained - i, untrained
+                    break
+                c = nodes[child]
+                m = _common_prefix_len(raw[c.tree], c.start, raw[k], i, min(c.length, untrained - i))
+                if m < c.length:  # split: a new head takes c's first m tokens; c keeps the tail
+                    head = len(nodes)
+                    nodes.append(_Node(c.tree, c.start, m, c.parent, c.depth, True))
+                    siblings = nodes[c.parent].children if c.parent >= 0 else roots
+                    siblings[siblings.index(child)] = head
+                    shared_child[key] = head
+                    c.start, c.length, c.parent, c.depth = c.start + m, c.length - m, head, c.depth + m
+                    nodes[head].children.append(child)
+                    shared_child[(head, c.depth, token(child, 0))] = child
+                    child = head
+                parent, depth, i = child, depth + m, i + m
+            if i < stop:  # the trained rest (and anything after it) is this tree's own
+                own = len(nodes)
+                nodes.append(_Node(k, i, stop - i, parent, depth, False))
+                attach(own)
+                parent = own
+            seg_end.append(parent)
+        ends.append(seg_end)
+    return _lay_out(trees, nodes, roots, ends)
+
+
+def plan_micro_steps(trees: list[PackedTree], budget: int | None) -> list[tuple[list[int], int]]:
+    """Fill micro-steps in order: (indices into ``trees``, merged token count) per
+    micro-step. A tree joins the current micro-step while the merged size plus its own
+    tokens stays within ``budget`` (None: no limit); a bigger tree gets its own."""
+    plans: list[tuple[list[int], int]] = []
+    members: list[int] = []
+    size = 0
+    for k, tree in enumerate(trees):
+        if members and budget is not None and size + tree.n_tokens > budget:
+            plans.append((members, size))
+            members, size = [], 0
+        members.append(k)
+        size = merge_forest([trees[i] for i in members]).n_tokens if len(members) > 1 else tree.n_tokens
+    if members:
+        plans.append((members, size))
+    return plans
+
+
+def _common_prefix_len(a: bytes, a_start: int, b: bytes, b_start: int, n: int) -> int:
+    """Common leading int32 tokens of a[a_start:] and b[b_start:], at most ``n``."""
+    return common_prefix_bytes(a[4 * a_start : 4 * (a_start + n)], b[4 * b_start : 4 * (b_start + n)]) // 4
+
+
+def common_prefix_bytes(a: bytes, b: bytes) -> int:
+    lo, hi = 0, min(len(a), len(b))
+    if a[:hi] == b[:hi]:
+        return hi
+    while hi - lo > 1:  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _lay_out(trees, nodes, roots, ends) -> MergedForest:
+    tok, pos, starts, parents = array("i"), array("i"), array("i"), array("i")
+    where = [0] * len(nodes)  # node -> merged segment
+    stack = list(reversed(roots))
+    while stack:  # depth-first, ancestors first
+        n = stack.pop()
+        node = nodes[n]
+        where[n] = len(starts)
+        starts.append(len(tok))
+        parents.append(where[node.parent] if node.parent >= 0 else -1)
+        src = trees[node.tree].token_ids
+        tok.extend(src[node.start : node.start + node.length])
+        pos.extend(array("i", range(node.depth, node.depth + node.length)))
+        stack.extend(reversed(node.children))
+    index = []
+    for k, t in enumerate(trees):
+        out = array("i", bytes(4 * t.n_tokens))
+        for s, seg in enumerate(t.segments):
+            stop_at = ends[k][seg.parent] if seg.parent >= 0 else -1
+            path, n = [], ends[k][s]
+            while n != stop_at:
+                path.append(n)
+                n = nodes[n].parent
+            i = seg.offset
+            for n in reversed(path):
+                first = starts[where[n]]
+                out[i : i + nodes[n].length] = array("i", range(first, first + nodes[n].length))
+                i += nodes[n].length
+            if i != seg.offset + seg.length:
+                raise AssertionError(f"merge_forest: tree {k} segment {s} maps {i - seg.offset} of {seg.length} tokens")
+        index.append(out)
+    return MergedForest(tok, pos, starts, parents, tuple(index))

@@ -11,7 +11,7 @@ few thousand tokens, a sub-agent every 30 turns with its own 12-turn conversatio
 of them "fork" sub-agents that start from the main agent's whole history), and 4 % of
 calls retried with the same input after a broken stream (the broken attempt is not
 delivered): the shape of a Claude Code agent on a repository-building task. Four
-rollouts form a group. ``services/trajectory/README.md`` gives the numbers it produces.
+rollouts form a group and share its system prompt, task and sub-agent system prompt. ``services/trajectory/README.md`` gives the numbers it produces.
 
 Token ids: 1/2 open/close a message, 3 = tool-result header, 7 starts the compaction
 instruction, 8 starts the post-compaction header, 10-15 are fixed prompt texts; content
@@ -100,20 +100,20 @@ class _Rollout:
         self.rollout_id = f"r{index}"
         self.calls: list[CallRecord] = []
         self.continued: set[str] = set()  # calls whose reply some call has continued
-        self.system = self._content(p.system_tokens, fixed=10)
-        self.task = self._content(p.task_tokens, fixed=11)
-        self.sub_system = self._content(p.subagent_system_tokens, fixed=12)
+        # The rollouts of a group run the same task under the same harness: their system
+        # prompts, task and sub-agent system prompt are the group's. Each rollout still
+        # draws its own copies first, so its random stream (and so its shape: turns,
+        # lengths, forks, retries) is the one it had when the prompts were its own.
+        for n in (p.system_tokens, p.task_tokens, p.subagent_system_tokens):
+            self._content(n)
+        group = random.Random(f"{p.seed}:group")
+        self.system = _content(group, p.system_tokens, fixed=10)
+        self.task = _content(group, p.task_tokens, fixed=11)
+        self.sub_system = _content(group, p.subagent_system_tokens, fixed=12)
         self.tools = _digest("tools-main")
 
     def _content(self, n: int, fixed: int | None = None) -> array:
-        n = max(1, int(n))
-        body = array("i", array("H", self.rng.randbytes(2 * n)))
-        for j, t in enumerate(body[:8]):
-            if t < 16:
-                body[j] = t + 16
-        if fixed is not None:
-            body[0] = fixed
-        return body
+        return _content(self.rng, n, fixed)
 
     def _length(self, mean: int) -> int:
         return max(1, int(self.rng.expovariate(1.0 / mean))) if mean > 1 else 1
@@ -217,6 +217,17 @@ class _Rollout:
         result = self._content(self.p.subagent_result_tokens, fixed=15)
         result.extend(final)  # the sub-agent's final text comes back as the tool result
         return result
+
+
+def _content(rng: random.Random, n: int, fixed: int | None = None) -> array:
+    n = max(1, int(n))
+    body = array("i", array("H", rng.randbytes(2 * n)))
+    for j, t in enumerate(body[:8]):
+        if t < 16:
+            body[j] = t + 16
+    if fixed is not None:
+        body[0] = fixed
+    return body
 
 
 def _digest(text: str) -> str:

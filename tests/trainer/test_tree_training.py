@@ -49,6 +49,18 @@ def _assert_tree_equals_branches(backend, samples, objective, attention=Attentio
     assert tree.stats["clip_fraction"] == pytest.approx(flat.stats["clip_fraction"], abs=1e-6)
 
 
+def test_a_group_shared_prompt_is_computed_once_with_the_same_loss(torch_backend, samples):
+    samples = with_behaviour(samples, torch_backend)
+    merged, apart = tree_batch(samples), tree_batch(samples, merge=False)
+    # the two workload rollouts are one group: one system prompt and task between them
+    assert merged.n_tokens < apart.n_tokens
+    assert merged.target_ids.tolist() == apart.target_ids.tolist()
+    a = compute_micro_step(torch_backend, merged, TrainConfig())
+    b = compute_micro_step(torch_backend, apart, TrainConfig())
+    assert abs(a.loss_sum - b.loss_sum) <= 1e-5
+    assert torch.allclose(a.gradient, b.gradient, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("objective", [UNCLIPPED, ObjectiveConfig(), ObjectiveConfig(tis_cap=2.0, kl_coef=0.1)],
                          ids=["unclipped", "clipped", "tis+kl"])
 def test_torch_tree_equals_branches(torch_backend, samples, objective):

@@ -119,6 +119,7 @@ def test_train_token_counts_agree_with_an_independent_count_from_the_records():
     from ._calls import full_sequences
 
     flat = tree = 0
+    group = []
     for calls, sealed in _sealed_small():
         seqs = full_sequences(calls)
         chosen = [seqs[b.call_id] for b in sealed.selected]
@@ -127,8 +128,13 @@ def test_train_token_counts_agree_with_an_independent_count_from_the_records():
         assert len(sealed.packed) == 1  # one tree per execution: every shared prefix once
         flat += sum(len(s) for s in chosen)
         tree += _union_size(chosen)
+        group += chosen
     out = run_bench(preset="small", verify=False)
-    assert (out["train_flat_tokens"], out["train_tree_tokens"]) == (flat, tree)
+    assert (out["train_flat_tokens"], out["train_tree_tokens_per_rollout"]) == (flat, tree)
+    # merged: the group's rollouts share their prompt, and only their prompt (the rest is
+    # random per rollout), so the merged layout holds the union of all chosen sequences
+    assert out["train_tree_tokens"] == _union_size(group) < tree
+    assert out["group_shared_tokens"] == tree - out["train_tree_tokens"]
 
 
 def test_no_other_choice_within_the_roles_shares_more_on_the_small_preset():

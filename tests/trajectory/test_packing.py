@@ -7,8 +7,8 @@ import random
 import pytest
 
 from services.trajectory.forks import HARNESS_RULES, classify_calls
-from services.trajectory.packing import (PackingConfig, branch_tokens, dense_mask, pack_branches,
-                                         segment_ancestors)
+from services.trajectory.packing import (PackingConfig, branch_tokens, dense_mask, merge_forest,
+                                         pack_branches, segment_ancestors)
 from services.trajectory.sampling import SamplingConfig, list_branches, select_branches
 
 from ._calls import build, call, full_sequences, random_calls
@@ -188,3 +188,74 @@ def test_a_tiny_branch_is_not_moved_away_from_a_long_context():
     tree, chosen = _long_and_wide()
     pieces = pack_branches(tree, chosen, PackingConfig(max_piece_tokens=125))  # < the 130-token path
     assert [(p.n_tokens, p.n_context_tokens, p.oversize) for p in pieces] == [(132, 0, True), (111, 10, False)]
+
+
+# ------------------------------------------------------------------ merging several trees
+
+def _trees_of_a_group(seed: int):
+    """Packed trees of three random rollouts (a 6-token vocabulary: their prompts often
+    coincide), some split into pieces that repeat their context."""
+    rng = random.Random(seed)
+    trees = []
+    for r in range(3):
+        calls = random_calls(seed * 10 + r, n_calls=rng.randint(3, 20), rollout=f"r{r}")
+        tree = build(calls)
+        chosen = select_branches(list_branches(tree, classify_calls(tree, RULES)),
+                                 SamplingConfig(budget=rng.randint(1, 6), seed=seed))
+        budget = rng.choice([None, rng.randint(6, 20)])
+        trees.extend(pack_branches(tree, chosen, PackingConfig(max_piece_tokens=budget)))
+    return trees
+
+
+def _merged_path(forest, i: int) -> list[int]:
+    """Tokens from the root to merged position ``i``, following the merged segments."""
+    starts = list(forest.segment_starts) + [forest.n_tokens]
+    seg = max(s for s in range(forest.n_segments) if starts[s] <= i)
+    out = list(forest.token_ids[starts[seg] : i + 1])
+    seg = forest.segment_parents[seg]
+    while seg >= 0:
+        out[:0] = forest.token_ids[starts[seg] : starts[seg + 1]]
+        seg = forest.segment_parents[seg]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_merged_forest_keeps_every_tree_and_shares_only_untrained_prefixes(seed):
+    trees = _trees_of_a_group(seed)
+    forest = merge_forest(trees)
+    starts = list(forest.segment_starts)
+    assert starts == sorted(starts) and all(p < s for s, p in enumerate(forest.segment_parents))
+    trained_at, expected_shared, expected_own = [], set(), 0
+    for k, p in enumerate(trees):
+        for i in range(p.n_tokens):
+            j = forest.index[k][i]
+            path = branch_tokens(p, i)
+            # same token, same position, same ancestors
+            assert forest.token_ids[j] == p.token_ids[i] and forest.position_ids[j] == p.position_ids[i]
+            assert _merged_path(forest, j) == path
+            chain, q = [], i
+            while q != -1:
+                chain.append(q)
+                q = p.parent_index[q]
+            if any(p.loss_mask[q] for q in chain):
+                expected_own += 1  # on or under a trained token: never shared
+            else:
+                expected_shared.add(tuple(path))
+            if p.loss_mask[i]:
+                trained_at.append(j)
+    assert len(trained_at) == len(set(trained_at))  # a trained token appears once per tree
+    assert forest.n_tokens == len(expected_shared) + expected_own
+    assert forest.n_tokens <= sum(p.n_tokens for p in trees)
+
+
+def test_a_group_prompt_is_laid_out_once():
+    shared = [1, 2, 3, 4]
+    trees = []
+    for r, answer in enumerate(([20, 21], [30], [20, 22])):
+        tree = build([call("a", shared + [5 + r], answer, rollout=f"r{r}")])
+        trees.extend(pack_branches(tree, select_branches(list_branches(tree, classify_calls(tree, RULES)))))
+    forest = merge_forest(trees)
+    # the four shared prompt tokens once; each rollout's own prompt token and answer apart
+    assert forest.n_tokens == 4 + 3 + 5
+    assert [forest.index[k][3] for k in range(3)] == [3, 3, 3]
+    assert len({forest.index[k][4] for k in range(3)}) == 3
