@@ -2,8 +2,7 @@
 
 A micro-step's samples (packed trees from :mod:`services.trajectory.packing`, each with
 its execution's advantage) are laid out in one sequence. Untrained prefixes that several
-samples share (a group's system prompt and task, the context split pieces repeat) are
-laid out once (:func:`~services.trajectory.packing.merge_forest`); everything else keeps
+samples share (a group's system prompt and task) are laid out once (:func:`~services.trajectory.packing.merge_forest`); everything else keeps
 its own segments. A token attends to its own segment up to itself and to its ancestor
 segments (:class:`TreeLayout`), so a sample sees only its own tokens and the shared
 prefix it starts from, never another sample's. The logits at a token's *parent* predict
@@ -108,6 +107,8 @@ def _check_segments(p: PackedTree) -> None:
         if not -1 <= seg.parent < k:
             raise BadSample(f"segment {k} has parent {seg.parent}: not an earlier segment")
         first = seg.offset
+        if first + seg.length > p.n_tokens:
+            raise BadSample(f"segment {k} runs past the {p.n_tokens} tokens")
         want_parent = -1 if seg.parent < 0 else p.segments[seg.parent].offset + p.segments[seg.parent].length - 1
         if p.parent_index[first] != want_parent:
             raise BadSample(f"segment {k}'s first token has parent {p.parent_index[first]}, not {want_parent}")
@@ -120,6 +121,8 @@ def _check_segments(p: PackedTree) -> None:
                 raise BadSample(f"root token {i} has position {p.position_ids[i]}, segment depth {seg.depth}")
             if par >= 0 and p.position_ids[i] != want_pos:
                 raise BadSample(f"position_ids[{i}] = {p.position_ids[i]}, not its parent's + 1")
+        if p.position_ids[first] != seg.depth:
+            raise BadSample(f"segment {k} has depth {seg.depth}, its first token position {p.position_ids[first]}")
         expect = first + seg.length
     if expect != p.n_tokens:
         raise BadSample(f"segments cover {expect} of {p.n_tokens} tokens")
@@ -132,8 +135,7 @@ def tree_batch(samples: list[tuple[PackedTree, float]], *, merge: bool = True) -
 
     With ``merge`` (the default) the samples' shared untrained prefixes are laid out once
     (:func:`~services.trajectory.packing.merge_forest`: a group's common system prompt and
-    task, the context that split pieces repeat); the loss is the same either way, since
-    trained tokens are never merged. ``merge=False`` lays the trees side by side.
+    task); the loss is the same either way, since trained tokens are never merged. ``merge=False`` lays the trees side by side.
     """
     trees = [p for p, _ in samples]
     forest = merge_forest(trees) if merge else _side_by_side(trees)

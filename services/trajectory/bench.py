@@ -2,8 +2,9 @@
 
 Fields (issue 5): ``calls``, ``flattened_tokens`` (sum of every call's input + output),
 ``stored_tokens`` (tree positions), ``storage_ratio``, ``train_flat_tokens`` (sum of the
-selected branches' lengths), ``train_tree_tokens`` (tokens in the packed trees, context
-repeated by splitting included), ``train_token_ratio``, ``build_s_per_1m_new_tokens``
+selected branches' lengths), ``train_tree_tokens`` (tokens in the packed trees as the
+trainer lays them out: context repeated by splitting included, the group's shared
+prefixes once, see below), ``train_token_ratio``, ``build_s_per_1m_new_tokens``
 (tree building time per million tokens the proxy recorded as new: new input + output),
 ``stored_tokens_verified`` (an independent count, from the call records alone, of the
 distinct (prefix, token) positions agrees). Extra fields explain the numbers; ``seal_s``

@@ -16,7 +16,7 @@ stored as blobs). When every rollout of a group is sealed, the group's advantage
 computed and its samples queued as ``MicroStepQueued`` events of at most
 ``micro_step_tokens`` tokens each (a bigger sample gets a micro-step of its own). The
 trainer lays a micro-step's samples out with their shared untrained prefixes once (the
-group's prompt, the context split pieces repeat: ``packing.merge_forest``), so a batch's
+group's prompt: ``packing.merge_forest``), so a batch's
 ``n_tokens`` is that merged size and samples are added while it stays in the budget.
 """
 

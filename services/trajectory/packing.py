@@ -311,15 +311,17 @@ def dense_mask(packed: PackedTree) -> list[list[bool]]:
 class MergedForest:
     """Several packed trees laid out as one forest whose shared untrained prefixes appear once.
 
-    The rollouts of one group start with the same system prompt and task; the pieces of a
-    split tree repeat their ancestor context. When such samples share a micro-step, the
-    trainer computes each shared run once: runs of *untrained* tokens (mask 0 in every
-    tree that holds them) with the same ancestors, positions and token ids are merged,
-    radix-tree style. Trained tokens are never merged, so each keeps its own tree's
-    weight, behaviour logprob and advantage, and the loss is the unmerged loss.
+    The rollouts of one group start with the same system prompt and task. When such
+    samples share a micro-step, the trainer computes each shared run once: a segment's
+    leading run of *untrained* tokens is merged, radix-tree style, with the runs of the
+    same ids at the same positions under the same (merged) parent. Trained tokens, and
+    whatever follows them in their segment, stay the tree's own, so each trained token
+    keeps its tree's weight, behaviour logprob and advantage, and the loss is the
+    unmerged loss. (Context that split pieces repeat is trained in its first piece: only
+    its untrained leading run, such as the system prompt, merges with that piece.)
 
-    ``segment_starts`` / ``segment_parents`` / ``segment_depths`` describe the merged
-    segments (ancestors first); ``index[k][i]`` is where token ``i`` of tree ``k`` lies.
+    ``segment_starts`` / ``segment_parents`` describe the merged segments (ancestors
+    first); ``index[k][i]`` is where token ``i`` of tree ``k`` lies.
     """
 
     token_ids: array  # 'i'
@@ -338,69 +340,89 @@ class MergedForest:
 
 
 class _Node:
-    __slots__ = ("tree", "start", "length", "parent", "depth", "children", "shared")
+    __slots__ = ("tree", "start", "length", "parent", "depth", "children")
 
-    def __init__(self, tree: int, start: int, length: int, parent: int, depth: int, shared: bool) -> None:
+    def __init__(self, tree: int, start: int, length: int, parent: int, depth: int) -> None:
         self.tree, self.start, self.length = tree, start, length
-        self.parent, self.depth, self.shared = parent, depth, shared
+        self.parent, self.depth = parent, depth
         self.children: list[int] = []
+
+
+class ForestBuilder:
+    """Adds packed trees one at a time to a merged forest (see :class:`MergedForest`);
+    ``n_tokens`` is the merged size so far, ``build()`` lays it out."""
+
+    def __init__(self) -> None:
+        self.trees: list[PackedTree] = []
+        self.n_tokens = 0
+        self._nodes: list[_Node] = []
+        self._roots: list[int] = []
+        self._shared: dict[tuple[int, int, int], int] = {}  # (parent or -1, depth, first token) -> node
+        self._ends: list[list[int]] = []  # per tree, per segment: the node holding its last token
+        self._raw: list[bytes] = []
+
+    def add(self, t: PackedTree) -> int:
+        """Merge one more tree in; returns the merged size."""
+        k = len(self.trees)
+        self.trees.append(t)
+        self._raw.append(t.token_ids.tobytes())
+        seg_end: list[int] = []
+        for seg in t.segments:
+            parent = seg_end[seg.parent] if seg.parent >= 0 else -1
+            i, stop = seg.offset, seg.offset + seg.length
+            depth = t.position_ids[i]
+            untrained = t.loss_mask.find(1, i, stop)
+            untrained = stop if untrained < 0 else untrained
+            while i < untrained:  # the leading untrained run: shared where it matches
+                key = (parent, depth, t.token_ids[i])
+                child = self._shared.get(key)
+                if child is None:
+                    child = self._new(k, i, untrained - i, parent, depth)
+                    self._shared[key] = child
+                    parent, depth, i = child, depth + untrained - i, untrained
+                    break
+                c = self._nodes[child]
+                m = _common_prefix_len(self._raw[c.tree], c.start, self._raw[k], i, min(c.length, untrained - i))
+                if m < c.length:
+                    child = self._split(child, key, m)
+                parent, depth, i = child, depth + m, i + m
+            if i < stop:  # the trained rest (and anything after it) is this tree's own
+                parent = self._new(k, i, stop - i, parent, depth)
+            seg_end.append(parent)
+        self._ends.append(seg_end)
+        return self.n_tokens
+
+    def _new(self, tree: int, start: int, length: int, parent: int, depth: int) -> int:
+        node = len(self._nodes)
+        self._nodes.append(_Node(tree, start, length, parent, depth))
+        (self._nodes[parent].children if parent >= 0 else self._roots).append(node)
+        self.n_tokens += length
+        return node
+
+    def _split(self, child: int, key: tuple[int, int, int], m: int) -> int:
+        """A new head node takes ``child``'s first ``m`` tokens; ``child`` keeps the tail
+        (so what ends at or hangs below it stays where it was)."""
+        c = self._nodes[child]
+        head = len(self._nodes)
+        self._nodes.append(_Node(c.tree, c.start, m, c.parent, c.depth))
+        siblings = self._nodes[c.parent].children if c.parent >= 0 else self._roots
+        siblings[siblings.index(child)] = head
+        self._shared[key] = head
+        c.start, c.length, c.parent, c.depth = c.start + m, c.length - m, head, c.depth + m
+        self._nodes[head].children.append(child)
+        self._shared[(head, c.depth, self.trees[c.tree].token_ids[c.start])] = child
+        return head
+
+    def build(self) -> MergedForest:
+        return _lay_out(self.trees, self._nodes, self._roots, self._ends)
 
 
 def merge_forest(trees: list[PackedTree]) -> MergedForest:
     """Lay ``trees`` out as one forest, each shared untrained prefix once (see MergedForest)."""
-    nodes: list[_Node] = []
-    roots: list[int] = []
-    shared_child: dict[tuple[int, int, int], int] = {}  # (parent or -1, depth, first token) -> node
-    ends: list[list[int]] = []  # per tree, per segment: the node holding its last token
-    raw = [t.token_ids.tobytes() for t in trees]
-
-    def attach(node: int) -> None:
-        n = nodes[node]
-        (nodes[n.parent].children if n.parent >= 0 else roots).append(node)
-
-    def token(node: int, j: int) -> int:
-        n = nodes[node]
-        return trees[n.tree].token_ids[n.start + j]
-
-    for k, t in enumerate(trees):
-        seg_end: list[int] = []
-        for seg in t.segments:
-            parent = seg_end[seg.parent] if seg.parent >= 0 else -1
-            depth = seg.depth
-            i, stop = seg.offset, seg.offset + seg.length
-            untrained = t.loss_mask.find(1, i, stop)
-            untrained = stop if untrained < 0 else untrained
-            while i < untrained:
-                key = (parent, depth, t.token_ids[i])
-                child = shared_child.get(key)
-                if child is None:
-                    child = len(nodes)
-                    nodes.append(_Node(k, i, untrained - i, parent, depth, True))
-                    shared_child[key] = child
-                    attach(child)
-                    parent, depth, i = child, depth + untrained - i, untrained
-                    break
-                c = nodes[child]
-                m = _common_prefix_len(raw[c.tree], c.start, raw[k], i, min(c.length, untrained - i))
-                if m < c.length:  # split: a new head takes c's first m tokens; c keeps the tail
-                    head = len(nodes)
-                    nodes.append(_Node(c.tree, c.start, m, c.parent, c.depth, True))
-                    siblings = nodes[c.parent].children if c.parent >= 0 else roots
-                    siblings[siblings.index(child)] = head
-                    shared_child[key] = head
-                    c.start, c.length, c.parent, c.depth = c.start + m, c.length - m, head, c.depth + m
-                    nodes[head].children.append(child)
-                    shared_child[(head, c.depth, token(child, 0))] = child
-                    child = head
-                parent, depth, i = child, depth + m, i + m
-            if i < stop:  # the trained rest (and anything after it) is this tree's own
-                own = len(nodes)
-                nodes.append(_Node(k, i, stop - i, parent, depth, False))
-                attach(own)
-                parent = own
-            seg_end.append(parent)
-        ends.append(seg_end)
-    return _lay_out(trees, nodes, roots, ends)
+    builder = ForestBuilder()
+    for t in trees:
+        builder.add(t)
+    return builder.build()
 
 
 def plan_micro_steps(trees: list[PackedTree], budget: int | None) -> list[tuple[list[int], int]]:
@@ -409,15 +431,15 @@ def plan_micro_steps(trees: list[PackedTree], budget: int | None) -> list[tuple[
     tokens stays within ``budget`` (None: no limit); a bigger tree gets its own."""
     plans: list[tuple[list[int], int]] = []
     members: list[int] = []
-    size = 0
+    builder = ForestBuilder()
     for k, tree in enumerate(trees):
-        if members and budget is not None and size + tree.n_tokens > budget:
-            plans.append((members, size))
-            members, size = [], 0
+        if members and budget is not None and builder.n_tokens + tree.n_tokens > budget:
+            plans.append((members, builder.n_tokens))
+            members, builder = [], ForestBuilder()
         members.append(k)
-        size = merge_forest([trees[i] for i in members]).n_tokens if len(members) > 1 else tree.n_tokens
+        builder.add(tree)
     if members:
-        plans.append((members, size))
+        plans.append((members, builder.n_tokens))
     return plans
 
 

@@ -53,6 +53,7 @@ def test_loss_weights_count_each_execution_once():
     (lambda p: replace(p, behaviour_logprobs=array("f", [0.0] * 3 + [float("nan")] * 7)), "behaviour_logprobs[3]"),
     (lambda p: replace(p, token_ids=array("i", [1, 2, 5, 20, 21, 22, 23, 30, 31, 9999])), "outside the vocabulary"),
     (lambda p: replace(p, weight_versions=array("i", [0] * 9)), "weight_versions has 9 entries"),
+    (lambda p: replace(p, segments=p.segments[:2] + (replace(p.segments[2], depth=7),)), "segment 2 has depth 7"),
 ])
 def test_bad_samples_are_refused_with_the_reason(change, reason):
     validate_sample(two_branch_tree(), 1.0, 512)

@@ -8,7 +8,7 @@ import pytest
 
 from services.trajectory.forks import HARNESS_RULES, classify_calls
 from services.trajectory.packing import (PackingConfig, branch_tokens, dense_mask, merge_forest,
-                                         pack_branches, segment_ancestors)
+                                         pack_branches, plan_micro_steps, segment_ancestors)
 from services.trajectory.sampling import SamplingConfig, list_branches, select_branches
 
 from ._calls import build, call, full_sequences, random_calls
@@ -259,3 +259,14 @@ def test_a_group_prompt_is_laid_out_once():
     assert forest.n_tokens == 4 + 3 + 5
     assert [forest.index[k][3] for k in range(3)] == [3, 3, 3]
     assert len({forest.index[k][4] for k in range(3)}) == 3
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_micro_steps_are_filled_by_the_merged_size(seed):
+    trees = _trees_of_a_group(seed)
+    budget = random.Random(seed).choice([None, 10, 25, 60])
+    plans = plan_micro_steps(trees, budget)
+    assert [k for members, _ in plans for k in members] == list(range(len(trees)))
+    for members, size in plans:
+        assert size == merge_forest([trees[k] for k in members]).n_tokens
+        assert budget is None or size <= budget or len(members) == 1
