@@ -40,6 +40,10 @@ def _finished_run_dir(run_id: str | None, run_dir: Path | None) -> Path | None:
     return run_dir
 
 
+_FINISHED_RUN_HELP = ("without GYRE_NATS_URL: the finished run's folder, whose event store is reopened "
+                      "[GYRE_RUN_DIR; default runs/<run>]")
+
+
 def _logging(settings: GyreSettings) -> None:
     from libs.common.logs import configure_logging
 
@@ -175,11 +179,13 @@ def events_tail(
     from_seq: Annotated[int, typer.Option(help="start at this stream sequence")] = 1,
     follow: Annotated[bool, typer.Option("--follow/--no-follow", "-f", help="keep waiting for new events")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="one JSON event per line")] = False,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help=_FINISHED_RUN_HELP)] = None,
 ) -> None:
     """Print events from the log, oldest first."""
     from gyre.events_cmd import tail
 
-    asyncio.run(tail(_settings(), _contexts(context), run_id, from_seq, follow, as_json))
+    settings = _settings(run_dir=_finished_run_dir(run_id, run_dir))
+    asyncio.run(tail(settings, _contexts(context), run_id, from_seq, follow, as_json))
 
 
 @events_app.command("export")
@@ -187,11 +193,12 @@ def events_export(
     out: Annotated[Path, typer.Option("--out", "-o", help="JSON Lines file to write")],
     context: Annotated[Optional[list[str]], typer.Option("--context", "-c", help="streams (default: all)")] = None,
     run_id: Annotated[Optional[str], typer.Option("--run", help="only this run")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help=_FINISHED_RUN_HELP)] = None,
 ) -> None:
     """Write the log (all streams, in order) to a JSON Lines file for replay or debugging."""
     from gyre.events_cmd import export
 
-    n = asyncio.run(export(_settings(), _contexts(context), run_id, out))
+    n = asyncio.run(export(_settings(run_dir=_finished_run_dir(run_id, run_dir)), _contexts(context), run_id, out))
     typer.echo(f"exported {n} events to {out}", err=True)
 
 
@@ -221,9 +228,7 @@ def tree_show(
     fmt: Annotated[str, typer.Option("--format", "-f", help="text | svg | dot")] = "text",
     run_id: Annotated[Optional[str], typer.Option("--run", help="run id [GYRE_RUN_ID]")] = None,
     tokens: Annotated[bool, typer.Option("--tokens", help="show token ids")] = False,
-    run_dir: Annotated[Optional[Path], typer.Option(
-        "--run-dir", help="without GYRE_NATS_URL: the finished run's folder, whose event store is reopened "
-                          "[GYRE_RUN_DIR; default runs/<run>]")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help=_FINISHED_RUN_HELP)] = None,
 ) -> None:
     """Print one rollout's trajectory tree: forks, roles, selected branches."""
     from gyre.events_cmd import tree_show as show
@@ -243,16 +248,13 @@ def replay(
     step: Annotated[Optional[int], typer.Option("--step", help="recompute training step N from the checkpoint before it")] = None,
     cells: Annotated[bool, typer.Option("--cells", help="rebuild the schedule (each cell's phases) from the cells "
                                                         "stream; compare with the live scheduler's")] = False,
-    run_dir: Annotated[Optional[Path], typer.Option(
-        "--run-dir", help="--trees/--step/--cells without GYRE_NATS_URL: the finished run's folder, whose event store "
-                          "is reopened [GYRE_RUN_DIR; default runs/<run>]")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option("--run-dir", help=_FINISHED_RUN_HELP)] = None,
 ) -> None:
     """Rebuild the read models (or, with --trees, the trajectory trees and samples; with
     --cells, the schedule) from the log alone; prints digests / the comparison as JSON."""
     from gyre.events_cmd import replay as do_replay
 
-    if step is not None or trees or cells:
-        run_dir = _finished_run_dir(run_id, run_dir)
+    run_dir = _finished_run_dir(run_id, run_dir)
     if cells:
         from gyre.events_cmd import replay_cells_of
 
@@ -273,7 +275,7 @@ def replay(
         typer.echo(json.dumps(result))
         raise typer.Exit(0 if result["identical"] else 3)
 
-    result = asyncio.run(do_replay(_settings(database_url=database_url), from_file or [], run_id))
+    result = asyncio.run(do_replay(_settings(database_url=database_url, run_dir=run_dir), from_file or [], run_id))
     typer.echo(json.dumps(result))
     if result.get("dead_lettered"):
         raise typer.Exit(3)

@@ -21,23 +21,19 @@ from libs.common.runtime import NatsNotConfigured
 from libs.common.settings import GyreSettings
 
 
-def _require_nats(settings: GyreSettings) -> str:
-    if not settings.nats_url:
-        raise NatsNotConfigured("GYRE_NATS_URL is not set: which NATS server holds the log?")
-    return settings.nats_url
-
-
 async def tail(settings: GyreSettings, contexts: list[Context], run_id: str | None, from_seq: int,
                follow: bool, as_json: bool) -> None:
-    bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-tail")
-    try:
-        if follow:
-            await asyncio.gather(*(_follow(bus, c, run_id, from_seq, as_json) for c in contexts))
-        for c in contexts:
-            async for msg in bus.read_raw(c.stream, start_seq=from_seq, filter_subject=_subject(c, run_id)):
-                _print(c, msg.metadata.sequence.stream, msg.data, as_json)
-    finally:
-        await bus.close()
+    """Print the log: ``GYRE_NATS_URL``'s, or a finished run's store (``run_nats_url``)."""
+    with run_nats_url(settings) as url:
+        bus = await JetStreamBus.connect(url, name="gyre-tail")
+        try:
+            if follow:
+                await asyncio.gather(*(_follow(bus, c, run_id, from_seq, as_json) for c in contexts))
+            for c in contexts:
+                async for msg in bus.read_raw(c.stream, start_seq=from_seq, filter_subject=_subject(c, run_id)):
+                    _print(c, msg.metadata.sequence.stream, msg.data, as_json)
+        finally:
+            await bus.close()
 
 
 async def _follow(bus: JetStreamBus, c: Context, run_id: str | None, from_seq: int, as_json: bool) -> None:
@@ -65,14 +61,15 @@ def _print(c: Context, seq: int, data: bytes, as_json: bool) -> None:
 
 
 async def export(settings: GyreSettings, contexts: list[Context], run_id: str | None, out: Path) -> int:
-    bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-export")
     n = 0
-    try:
-        with open(out, "w", encoding="utf-8") as f:
-            for c in contexts:
-                n += await export_stream(bus, c, f, run_id=run_id)
-    finally:
-        await bus.close()
+    with run_nats_url(settings) as url:
+        bus = await JetStreamBus.connect(url, name="gyre-export")
+        try:
+            with open(out, "w", encoding="utf-8") as f:
+                for c in contexts:
+                    n += await export_stream(bus, c, f, run_id=run_id)
+        finally:
+            await bus.close()
     return n
 
 
@@ -85,18 +82,19 @@ async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) 
     upgrade(url)
     engine = make_engine(url)
     bus: Any
-    if files:
-        bus = load_memory_bus(files)
-    else:
-        bus = await JetStreamBus.connect(_require_nats(settings), name="gyre-replay")
-    try:
-        runner = ProjectionRunner(engine, bus, readmodels, filter_run=run_id)
-        applied = await runner.catch_up()
-        digest = readmodel_digest(engine)
-    finally:
-        engine.dispose()
-        if not files:
-            await bus.close()
+    with contextlib.ExitStack() as stack:
+        if files:
+            bus = load_memory_bus(files)
+        else:
+            bus = await JetStreamBus.connect(stack.enter_context(run_nats_url(settings)), name="gyre-replay")
+        try:
+            runner = ProjectionRunner(engine, bus, readmodels, filter_run=run_id)
+            applied = await runner.catch_up()
+            digest = readmodel_digest(engine)
+        finally:
+            engine.dispose()
+            if not files:
+                await bus.close()
     return {"database": url, "applied": applied, "dead_lettered": runner.dead_lettered, "digest": digest["*"],
             "tables": {k: v for k, v in digest.items() if k != "*"}}
 
