@@ -392,34 +392,6 @@ class ForestBuilder:
         self._ends.append(seg_end)
         return self.n_tokens
 
-    def added_tokens(self, t: PackedTree) -> int:
-        """How many tokens ``add(t)`` would add, without adding it."""
-        added, raw = 0, t.token_ids.tobytes()
-        where: list[tuple[int, int] | None] = []  # per segment: (node, tokens of it matched) at its end
-        for seg in t.segments:
-            loc = where[seg.parent] if seg.parent >= 0 else (-1, 0)
-            i, stop = seg.offset, seg.offset + seg.length
-            untrained = t.loss_mask.find(1, i, stop)
-            untrained = stop if untrained < 0 else untrained
-            depth = t.position_ids[i]
-            while loc is not None and i < untrained:
-                node, off = loc
-                if node < 0 or off == self._nodes[node].length:  # at a node's end: its children
-                    child = self._shared.get((node, depth, t.token_ids[i]))
-                    loc = (child, 0) if child is not None else None
-                    continue
-                c = self._nodes[node]
-                m = _common_prefix_len(self._raw[c.tree], c.start + off, raw, i, min(c.length - off, untrained - i))
-                if m == 0:
-                    loc = None
-                    break
-                loc, i, depth = (node, off + m), i + m, depth + m
-            if i < stop:
-                added += stop - i
-                loc = None
-            where.append(loc)
-        return added
-
     def _new(self, tree: int, start: int, length: int, parent: int, depth: int) -> int:
         node = len(self._nodes)
         self._nodes.append(_Node(tree, start, length, parent, depth))
@@ -461,11 +433,13 @@ def plan_micro_steps(trees: list[PackedTree], budget: int | None) -> list[tuple[
     members: list[int] = []
     builder = ForestBuilder()
     for k, tree in enumerate(trees):
-        if members and budget is not None and builder.n_tokens + builder.added_tokens(tree) > budget:
-            plans.append((members, builder.n_tokens))
-            members, builder = [], ForestBuilder()
-        members.append(k)
+        before = builder.n_tokens
         builder.add(tree)
+        if members and budget is not None and builder.n_tokens > budget:  # it does not fit: close
+            plans.append((members, before))
+            members, builder = [], ForestBuilder()
+            builder.add(tree)
+        members.append(k)
     if members:
         plans.append((members, builder.n_tokens))
     return plans
