@@ -2,10 +2,11 @@
 
 A micro-step's samples (packed trees from :mod:`services.trajectory.packing`, each with
 its execution's advantage) are laid out in one sequence. Untrained prefixes that several
-samples share (a group's system prompt and task) are laid out once (:func:`~services.trajectory.packing.merge_forest`); everything else keeps
-its own segments. A token attends to its own segment up to itself and to its ancestor
-segments (:class:`TreeLayout`), so a sample sees only its own tokens and the shared
-prefix it starts from, never another sample's. The logits at a token's *parent* predict
+samples share (a group's system prompt and task) are laid out once
+(:func:`~services.trajectory.packing.merge_forest`); everything else keeps its own
+segments. A token attends to its own segment up to itself and to its ancestor segments
+(:class:`TreeLayout`), so a sample sees only its own tokens and the shared prefix it
+starts from, never another sample's. The logits at a token's *parent* predict
 it: that is how the last prefix token predicts every child's first token.
 
 Loss data: only positions with ``loss_mask`` 1 are targets, each with the packing's
@@ -135,7 +136,8 @@ def tree_batch(samples: list[tuple[PackedTree, float]], *, merge: bool = True) -
 
     With ``merge`` (the default) the samples' shared untrained prefixes are laid out once
     (:func:`~services.trajectory.packing.merge_forest`: a group's common system prompt and
-    task); the loss is the same either way, since trained tokens are never merged. ``merge=False`` lays the trees side by side.
+    task); the loss is the same either way, since trained tokens are never merged.
+    ``merge=False`` lays the trees side by side.
     """
     trees = [p for p, _ in samples]
     forest = merge_forest(trees) if merge else _side_by_side(trees)

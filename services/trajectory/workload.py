@@ -11,7 +11,8 @@ few thousand tokens, a sub-agent every 30 turns with its own 12-turn conversatio
 of them "fork" sub-agents that start from the main agent's whole history), and 4 % of
 calls retried with the same input after a broken stream (the broken attempt is not
 delivered): the shape of a Claude Code agent on a repository-building task. Four
-rollouts form a group and share its system prompt, task and sub-agent system prompt. ``services/trajectory/README.md`` gives the numbers it produces.
+rollouts form a group and share its system prompt, task and sub-agent system prompt.
+``services/trajectory/README.md`` gives the numbers it produces.
 
 Token ids: 1/2 open/close a message, 3 = tool-result header, 7 starts the compaction
 instruction, 8 starts the post-compaction header, 10-15 are fixed prompt texts; content
