@@ -133,13 +133,13 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     # two cells: c1 trains as a satellite whenever the scheduler switches it to training
     res = gyre("up", "run.steps=1", "tasks.per_step=1", "group_size=2", "cells.count=2", "run.id=e2e",
                f"run.dir={runs}", "tasks.include=[starter_scale*]", "warmstart.enabled=true", "warmstart.steps=2",
-               "warmstart.flaw_rate=0.5", "eval.heldout=true", "trainer.micro_step_tokens=4096",
+               "warmstart.flaw_rate=0.5", "eval.heldout=true", "trainer.micro_step_tokens=8192",
                "--json-summary", str(summary), timeout=600)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     figures = json.loads(summary.read_text())
     assert figures == json.loads((runs / "e2e" / "summary.json").read_text())  # always written beside the report
     assert figures["steps"] == 1 and figures["agent_errors"] == 0 and not figures["errors"]
-    # trees and samples rebuilt from the log match (the rebuild packs micro-steps of the run's 4096 tokens)
+    # trees and samples rebuilt from the log match (the rebuild packs micro-steps of the run's 8192 tokens)
     assert figures["replay_identical"] is True
     assert figures["cells_replay_same"] is True  # the schedule rebuilt from the cells stream is the live one
     assert 0.0 <= figures["heldout_success_before"] <= 1.0 and 0.0 <= figures["heldout_success_after"] <= 1.0
@@ -165,7 +165,7 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     events = [json.loads(line)["event"] for line in exported.read_text().splitlines()]
     sizes = {r["digest"]: r["n_tokens"] for e in events if e["type"] == "SamplesSelected" for r in e["samples"]}
     queued = [e for e in events if e["type"] == "MicroStepQueued"]
-    assert any(len(e["sample_digests"]) == 2 for e in queued)  # both rollouts (about 800 tokens each) fit 4096
+    assert any(len(e["sample_digests"]) == 2 for e in queued)  # both rollouts (about 800 tokens each) fit 8192
     assert sum(e["n_tokens"] for e in queued) < sum(sizes[d] for e in queued for d in e["sample_digests"])
     assert (runs / "e2e" / "warmstart" / "model" / "config.json").exists()
     marker = json.loads((runs / "e2e" / "warmstart" / "warmstart.json").read_text())
