@@ -17,7 +17,8 @@ from typing import Any
 
 from libs.common.events import (
     CallRecorded, Context, Event, ForkDetected, RolloutFinished, RolloutScored, RolloutStarted, RolloutTimedOut,
-    CellRegistered, HeldoutEvaluated, MicroStepDone, RunStarted, SamplesSelected, StepApplied, WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
+    CellRegistered, HeldoutEvaluated, MicroStepDone, MicroStepQueued, RunStarted, SamplesSelected, StepApplied,
+    WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
 )
 
 
@@ -45,6 +46,8 @@ class RunFacts:
     run_starts: int = 0  # RunStarted events: more than one when the run was resumed
     steps_applied: list[dict[str, Any]] = field(default_factory=list)
     micro_steps_by_cell: Counter = field(default_factory=Counter)  # MicroStepDone per cell (core and satellites)
+    sample_tokens: dict[str, int] = field(default_factory=dict)  # packed sample digest -> its tokens
+    queued: list[tuple[int, list[str]]] = field(default_factory=list)  # MicroStepQueued: (laid-out tokens, samples)
     t0: float | None = None
 
     def add(self, ev: Event) -> None:
@@ -84,6 +87,9 @@ class RunFacts:
             self.stored_tokens[ev.rollout_id] = ev.n_tokens
         elif isinstance(ev, SamplesSelected):
             self.selected_tokens[ev.rollout_id] = sum(s.n_tokens for s in ev.samples)
+            self.sample_tokens.update((s.digest, s.n_tokens) for s in ev.samples)
+        elif isinstance(ev, MicroStepQueued):
+            self.queued.append((ev.n_tokens, list(ev.sample_digests)))
         elif isinstance(ev, CallRecorded):
             self.flattened_tokens[ev.rollout_id] += ev.prefix_len + ev.n_new_input_tokens + ev.n_output_tokens
             self.calls += 1
@@ -159,9 +165,10 @@ def _plots(facts: RunFacts, out: Path) -> list[tuple[str, str]]:
         flat = sum(facts.flattened_tokens.get(r, 0) for r in ids)
         stored = sum(facts.stored_tokens.values())
         selected = sum(facts.selected_tokens.get(r, 0) for r in ids)
-        ax.bar(range(3), [flat, stored, selected], color=["C0", "C1", "C2"])
-        ax.set_xticks(range(3), ["flattened\n(every call's in + out)", "stored\n(trees)", "selected\nbranches"],
-                      fontsize=7)
+        laid_out = sum(n for n, _ in facts.queued)
+        ax.bar(range(4), [flat, stored, selected, laid_out], color=["C0", "C1", "C2", "C4"])
+        ax.set_xticks(range(4), ["flattened\n(every call's in + out)", "stored\n(trees)", "selected\nbranches",
+                                 "trained\n(micro-steps)"], fontsize=7)
         ax.set(ylabel="tokens", title=f"{len(ids)} trees; flattened / stored = {flat / max(stored, 1):.2f}")
         kinds = sorted(facts.forks)
         if kinds:
@@ -199,6 +206,9 @@ def figures(facts: RunFacts) -> dict[str, Any]:
         "role_switches": facts.switches, "switch_failures": facts.switch_failures, "forks": dict(facts.forks),
         "flattened_tokens": sum(facts.flattened_tokens[r] for r in facts.stored_tokens),
         "stored_tokens": sum(facts.stored_tokens.values()), "selected_tokens": sum(facts.selected_tokens.values()),
+        # what the trainer lays out (a micro-step's shared prompt once) against its samples' own tokens
+        "micro_step_tokens": sum(n for n, _ in facts.queued),
+        "micro_step_sample_tokens": sum(facts.sample_tokens.get(d, 0) for _, ds in facts.queued for d in ds),
         "steps_applied": facts.steps_applied, "micro_steps_by_cell": dict(sorted(facts.micro_steps_by_cell.items())),
         "warm_start": facts.warm_start,
         "heldout": facts.evals, "eval_rollouts": len(facts.eval_rollouts),

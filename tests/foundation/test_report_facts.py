@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 
 from gyre.report import RunFacts, figures, write_report
-from libs.common.events import CallRecorded, CellRegistered, ForkDetected, SwitchCompleted, TreeSealed
+from libs.common.events import (CallRecorded, CellRegistered, ForkDetected, MicroStepQueued, SamplesSelected,
+                                SwitchCompleted, TreeSealed)
+from libs.common.events.trees import SampleRef
 
 D = "ab" * 32  # a well-formed digest
 
@@ -37,3 +39,20 @@ def test_tree_statistics_count_flattened_tokens_and_fork_types_and_every_cell_fr
     assert (tmp_path / "trees.png").exists() and (tmp_path / "cells.png").exists()
     assert json.loads((tmp_path / "report.json").read_text())["flattened_tokens"] == 335
     assert "fork types" in page.read_text()
+
+
+def test_micro_step_tokens_are_what_the_trainer_lays_out_beside_their_samples_own():
+    facts = RunFacts("r")
+    a, b = "a" * 64, "b" * 64
+    for ev in [
+        SamplesSelected(run_id="r", rollout_id="ra", samples=[SampleRef(digest=a, role="main", n_tokens=100,
+                                                                        n_trained_tokens=20)]),
+        SamplesSelected(run_id="r", rollout_id="rb", samples=[SampleRef(digest=b, role="main", n_tokens=90,
+                                                                        n_trained_tokens=10)]),
+        # both in one micro-step, their 60-token prompt laid out once
+        MicroStepQueued(run_id="r", step=0, micro_step="g-m0", group_id="g", sample_digests=[a, b],
+                        advantages=[1.0, -1.0], n_tokens=130),
+    ]:
+        facts.add(ev)
+    fig = figures(facts)
+    assert (fig["micro_step_tokens"], fig["micro_step_sample_tokens"]) == (130, 190)
