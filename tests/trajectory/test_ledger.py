@@ -55,26 +55,34 @@ def test_the_group_is_queued_once_every_rollout_is_sealed():
     assert _score(ledger, "r3", 0.5).events == []  # sealing twice does nothing
 
 
+def _packed_by_digest(ledger):
+    from services.trajectory.codec import encode_packed, sha256_hex
+
+    return {sha256_hex(encode_packed(p)): p for s in ledger.rollouts.values() for p in s.tree.seal().packed}
+
+
 def test_micro_steps_respect_their_token_budget():
+    from services.trajectory.packing import merge_forest
+
     ledger = _ledger(LedgerConfig(RUN, micro_step_tokens=60), {"r1": 6, "r2": 6})
+    packed = _packed_by_digest(ledger)
     _score(ledger, "r1", 1.0)
     effects = _score(ledger, "r2", 0.0)
     steps = [e for e in effects.events if isinstance(e, MicroStepQueued)]
     assert len(steps) > 1
-    sizes = {r.digest: r.n_tokens for s in ledger.rollouts.values() for r in s.samples}
-    for step in steps:
-        assert step.n_tokens <= sum(sizes[d] for d in step.sample_digests)
+    for step in steps:  # n_tokens: the samples laid out as the trainer does
+        assert step.n_tokens == merge_forest([packed[d] for d in step.sample_digests]).n_tokens
         assert step.n_tokens <= 60 or len(step.sample_digests) == 1
     assert len({s.micro_step for s in steps}) == len(steps)
+    queued = [d for step in steps for d in step.sample_digests]
+    assert queued == [r.digest for r in ledger.rollouts["r1"].samples + ledger.rollouts["r2"].samples]
 
 
 def test_a_micro_step_counts_the_group_prompt_once():
-    from services.trajectory.codec import encode_packed, sha256_hex
     from services.trajectory.packing import merge_forest
 
     ledger = _ledger(LedgerConfig(RUN), {"r1": 3, "r2": 4})
-    packed = {sha256_hex(encode_packed(p)): p for s in ledger.rollouts.values()
-              for p in s.tree.seal().packed}
+    packed = _packed_by_digest(ledger)
     _score(ledger, "r1", 1.0)
     (step,) = [e for e in _score(ledger, "r2", 0.0).events if isinstance(e, MicroStepQueued)]
     trees = [packed[d] for d in step.sample_digests]
