@@ -72,11 +72,13 @@ class Effects:
     blobs: list[bytes] = field(default_factory=list)
     events: list[Event] = field(default_factory=list)
     rejected: list[CallOutcome] = field(default_factory=list)
+    settled_calls: list[str] = field(default_factory=list)  # in a sealed tree: the adapter may forget them
 
     def extend(self, other: Effects) -> None:
         self.blobs += other.blobs
         self.events += other.events
         self.rejected += other.rejected
+        self.settled_calls += other.settled_calls
 
 
 @dataclass
@@ -89,7 +91,8 @@ class RolloutState:
     phase: RolloutPhase = RolloutPhase.RECORDING
     score: float | None = None
     scoring_failed: str | None = None
-    tree: RolloutTree | None = None
+    tree: RolloutTree | None = None  # while recording; dropped at the seal
+    sealed_calls: frozenset[str] = frozenset()  # the sealed tree's call ids (redeliveries)
     samples: list[SampleRef] = field(default_factory=list)
     packed: list[PackedTree] = field(default_factory=list)  # parallel to samples, until queued
 
@@ -139,8 +142,7 @@ class TrajectoryLedger:
     def call_recorded(self, call: CallRecord) -> Effects:
         state = self._rollout(call.rollout_id)
         if state.phase is RolloutPhase.SEALED:
-            tree = state.tree
-            if tree is not None and call.call_id in tree.tree.index:
+            if call.call_id in state.sealed_calls:
                 return Effects()
             return Effects(rejected=[CallOutcome(call.call_id, "rejected", "call after the tree was sealed")])
         outcome = self._tree(state).add(call)
@@ -149,7 +151,13 @@ class TrajectoryLedger:
 
     def has_call(self, rollout_id: str, call_id: str) -> bool:
         state = self.rollouts.get(rollout_id)
-        return bool(state and state.tree and state.tree.knows(call_id))
+        if state is None:
+            return False
+        return call_id in state.sealed_calls or bool(state.tree and state.tree.knows(call_id))
+
+    def is_sealed(self, rollout_id: str) -> bool:
+        state = self.rollouts.get(rollout_id)
+        return state is not None and state.phase is RolloutPhase.SEALED
 
     def rollout_ended(self, rollout_id: str) -> None:
         state = self._rollout(rollout_id)
@@ -177,10 +185,17 @@ class TrajectoryLedger:
         state = self.rollouts[rollout_id]
         if state.phase is RolloutPhase.SEALED or not state.judged:
             return Effects()
-        sealed = self._tree(state).seal()
+        tree = self._tree(state)
+        sealed = tree.seal()
         state.phase = RolloutPhase.SEALED
         effects = Effects(rejected=list(sealed.rejected))
         effects.extend(self._sealed_events(state, sealed, cause))
+        # The tree's tokens are in the blobs now; a long run must not hold every rollout's
+        # tree (hundreds of thousands of tokens each) for its whole length. Keep the ids,
+        # so redeliveries are still told from late calls.
+        state.sealed_calls = frozenset(tree.tree.index)
+        state.tree = None
+        effects.settled_calls += list(tree.tree.index)
         if state.group_id is not None:
             effects.extend(self.queue_group_if_complete(state.group_id, cause))
         return effects

@@ -96,8 +96,9 @@ class TrajectoryService:
         return await self._seal_if_ready(ev.rollout_id, ev)
 
     async def _call(self, ev: CallRecorded) -> Effects:
-        if self.ledger.has_call(ev.rollout_id, ev.call_id):
-            return Effects()  # a redelivery or the catch-up read: nothing to fetch
+        if self.ledger.has_call(ev.rollout_id, ev.call_id):  # a redelivery or the catch-up read
+            sealed = self.ledger.is_sealed(ev.rollout_id)
+            return Effects(settled_calls=[ev.call_id] if sealed else [])
         try:
             new_input = decode_ids(await self.blobs.get(ev.new_input_digest))
             output = decode_ids(await self.blobs.get(ev.output_digest))
@@ -139,6 +140,9 @@ class TrajectoryService:
             self._published.update(e.event_id for e in fresh)
         for outcome in effects.rejected:
             await self._dead_letter(outcome)
+            self._call_msgs.pop(outcome.call_id, None)
+        for call_id in effects.settled_calls:  # in a sealed tree: its message is not needed again
+            self._call_msgs.pop(call_id, None)
 
     async def _dead_letter(self, outcome: CallOutcome) -> None:
         if any(d.call_id == outcome.call_id for d in self.dead):

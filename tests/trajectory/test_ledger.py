@@ -113,6 +113,7 @@ def test_sealing_emits_summary_and_samples_with_deterministic_ids():
 def test_calls_after_the_seal_are_rejected_and_redeliveries_ignored():
     ledger = _ledger(LedgerConfig(RUN), {"r1": 2})
     _score(ledger, "r1", 1.0)
+    assert ledger.rollouts["r1"].tree is None  # dropped at the seal; its call ids are kept
     again = _calls("r1", 2)[0]
     assert ledger.call_recorded(again).rejected == []
     late = _calls("r1", 3)[-1]

@@ -103,7 +103,10 @@ async def _group_log(bus, blobs, *, score_first=False):
 async def test_a_group_flows_from_calls_to_micro_steps():
     bus, blobs = InMemoryBus(), MemoryBlobStore()
     calls = await _group_log(bus, blobs)
-    await _run_until(bus, blobs, lambda: _has(bus, MicroStepQueued))
+    service = await _run_until(bus, blobs, lambda: _has(bus, MicroStepQueued))
+    # a long run holds no sealed tree, no packed tree once queued, no call message
+    assert all(s.tree is None and not s.packed for s in service.ledger.rollouts.values())
+    assert service._call_msgs == {}
     events = await _trees(bus)
     forks = [e for e in events if isinstance(e, ForkDetected)]
     assert sorted({e.fork_type for e in forks}) == ["compaction", "retry"]
@@ -169,6 +172,7 @@ async def test_broken_and_orphan_calls_are_dead_lettered_with_a_reason():
     assert "the event says" in reasons[calls[3].call_id]
     assert "BlobNotFound" in reasons["no-blob"]
     assert {d.reason for d in bus.dead_letters} == set(reasons.values())
+    assert service._call_msgs == {}  # dead-lettered or in the sealed tree
 
 
 async def test_a_rollout_whose_scoring_failed_is_sealed_without_samples():
