@@ -210,6 +210,7 @@ class TrajectoryLedger:
             out.events.append(ForkDetected(
                 event_id=event_id(run, "ForkDetected", f"{state.rollout_id}:{lab.call_id}"), rollout_id=state.rollout_id,
                 call_id=lab.call_id, fork_type=lab.fork, position=lab.position, role=lab.role,
+                drift=calls[lab.call_index].drift,
                 parent_call_id=calls[lab.forked_from].call_id if lab.forked_from is not None else None,
                 **env))
         summary = tree_summary(state, sealed)
@@ -275,7 +276,7 @@ class TrajectoryLedger:
 def tree_summary(state: RolloutState, sealed: SealedTree) -> bytes:
     """The JSON a ``gyre tree show`` reads: forks, roles, branches, selection, score. Per
     call also the proxy's drift class and ``by_drift`` (its relation was taken from that
-    class, see ``forks.py``): ``ForkDetected`` has no field for why a call was labelled."""
+    class, see ``forks.py``); ``ForkDetected`` carries the drift class of each fork's call."""
     tree = state.tree.tree
     chosen = {b.call_id for b in sealed.selected}
     doc = {

@@ -112,6 +112,7 @@ async def test_a_group_flows_from_calls_to_micro_steps():
     assert sorted({e.fork_type for e in forks}) == ["compaction", "retry"]
     assert {e.role for e in forks if e.fork_type == "compaction"} <= {"main", "main_summary"}
     assert all(e.role is not None for e in forks)  # the role of the branch that starts there
+    assert all(e.drift is not None for e in forks)  # and the proxy's drift class of its call
     assert sum(isinstance(e, TreeSealed) for e in events) == 2
     selected = {e.rollout_id: e for e in events if isinstance(e, SamplesSelected)}
     assert set(selected) == {"r1", "r2"}

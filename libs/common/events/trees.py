@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from .calls import DriftClass
 from .envelope import Context, Digest, Event
 from .registry import register
 
@@ -23,6 +24,8 @@ class ForkDetected(Event):
     fork_type: ForkType
     position: int = Field(ge=0)  # token depth where the branches part
     role: BranchRole | None = None  # role of the branch that starts here
+    # why: the proxy's drift class of the call (None in logs written before it was recorded)
+    drift: DriftClass | None = None
 
 
 class SampleRef(BaseModel):
