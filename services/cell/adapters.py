@@ -59,6 +59,12 @@ class EngineControl:
     async def resume(self) -> None:
         await self.client.resume_memory(None)
 
+    async def released(self) -> list[str]:
+        """Memory the engine has released (the embedded engine says; SGLang does not: [])."""
+        info = await self.client.server_info()
+        states = info.get("internal_states") or [{}]
+        return list(states[0].get("released") or []) if isinstance(states[0], dict) else []
+
     async def weight_version(self) -> int:
         info = await self.client.model_info()
         try:

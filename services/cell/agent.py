@@ -27,6 +27,7 @@ def command_subject(run_id: str, cell: str) -> str:
     return f"gyre.{run_id}.cmd.cells.{cell}"
 
 
+FINISH_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # waits between tries to publish a switch's outcome
 CATCH_UP_TIMEOUT_S = 120.0  # loading the newest weights on the way back (under the scheduler's 300 s request timeout)
 
 
@@ -43,12 +44,17 @@ class CellAgent:
         self._lock = asyncio.Lock()
         self.last: SwitchRecord | None = None
         self.last_evacuation: dict[str, Any] | None = None
+        # why the cell cannot do what its role says (a rollback step failed), and the steps
+        # left to get there, retried by keep_registered; None while all is well
+        self.broken: str | None = None
+        self._repair: tuple[Any, ...] = ()
 
     async def register(self) -> None:
         prepare = getattr(self.seat, "prepare", None)
         if prepare is not None:
             await prepare()
         if self.role == "inference":
+            await self._resume_if_released()
             await self.proxy.add(self.name, self.engine_url, self.capacity)
         await self.bus.publish(CellRegistered(run_id=self.run_id, cell=self.name, role=self.role,
                                               is_core=self.is_core, capacity=self.capacity))
@@ -62,7 +68,12 @@ class CellAgent:
                 return
             except asyncio.TimeoutError:
                 pass
-            if self.role != "inference" or self._lock.locked():
+            if self._lock.locked():
+                continue
+            if self.broken is not None:
+                await self._try_repair()
+                continue
+            if self.role != "inference":
                 continue
             try:
                 if all(c.get("name") != self.name for c in await self.proxy.cells()):
@@ -75,23 +86,32 @@ class CellAgent:
         async with self._lock:  # one switch at a time
             rec = SwitchRecord(self.name, self.role, to_role)
             try:
+                if self.broken is not None:
+                    raise SwitchRefused(f"cell is not usable as {self.role}: {self.broken}")
                 phases = plan(self.role, to_role)
             except SwitchRefused as exc:
                 rec.failed_phase, rec.reason = "refused", str(exc)
                 await self._finish(rec, causation_id)
+                self.last = rec
                 return rec
+            announced = phases[0]  # the scheduler's request entered the first phase already
             for phase in phases:
-                await self.bus.publish(SwitchPhaseEntered(run_id=self.run_id, cell=self.name, phase=phase,
-                                                          causation_id=causation_id))
                 start = time.monotonic()
-                log.info("cell %s: %s -> %s: %s", self.name, rec.from_role, to_role, phase)
                 try:
+                    await self.bus.publish(SwitchPhaseEntered(run_id=self.run_id, cell=self.name, phase=phase,
+                                                              causation_id=causation_id))
+                    announced = phase
+                    log.info("cell %s: %s -> %s: %s", self.name, rec.from_role, to_role, phase)
                     await self._run_phase(phase)
                 except Exception as exc:
                     rec.timings[phase] = time.monotonic() - start
-                    rec.failed_phase, rec.reason = phase, repr(exc)
+                    # the failure is reported in the last phase the log knows of (a phase
+                    # whose announcement failed never started)
+                    rec.failed_phase, rec.reason = announced, repr(exc)
                     log.error("cell %s: %s failed after %.2fs: %r", self.name, phase, rec.timings[phase], exc)
-                    await self._roll_back(rec)
+                    problem = await self._roll_back(rec)
+                    if problem is not None:
+                        rec.reason += f"; rollback to {rec.role_now} failed, the cell is not usable: {problem}"
                     break
                 rec.timings[phase] = time.monotonic() - start
                 log.info("cell %s: %s done in %.2fs", self.name, phase, rec.timings[phase])
@@ -142,24 +162,57 @@ class CellAgent:
         except Exception:  # released engines may not answer model_info: the seat pulls the newest
             return 0
 
-    async def _roll_back(self, rec: SwitchRecord) -> None:
-        """Back to the record's safe role. From inference: leave the seat, resume, serve. From
-        training, when resuming failed after the seat had left: release the engine's memory
-        again and re-join the seat, so the cell trains as its role says."""
+    async def _roll_back(self, rec: SwitchRecord) -> str | None:
+        """Back to the record's safe role. From inference: leave the seat, resume, load the
+        newest weights, serve. From training, when resuming failed after the seat had left:
+        release the engine's memory again and re-join the seat, so the cell trains as its
+        role says. Stops at the first step that fails (serving from an engine that did not
+        come back would fail agents' calls) and returns why; ``keep_registered`` retries the
+        steps left."""
         if rec.from_role == "inference" and rec.role_now == "inference":
-            steps: tuple[Any, ...] = (self.seat.leave, self.engine.resume, lambda: self.proxy.activate(self.name))
+            steps: tuple[Any, ...] = (self.seat.leave, self.engine.resume, self._catch_up_weights,
+                                      lambda: self.proxy.activate(self.name))
         elif rec.from_role == "training" and rec.failed_phase == "resuming":
             steps = (self.engine.release, self._rejoin)
         else:
-            return
-        for step in steps:
-            try:
-                await step()
-            except Exception as exc:  # keep going: the record says what failed first
-                log.error("cell %s: rollback step failed: %r", self.name, exc)
+            return None
+        return await self._run_steps(steps)
 
     async def _rejoin(self) -> None:
         await self.seat.join(await self._weight_version_safe())
+
+    async def _run_steps(self, steps: tuple[Any, ...]) -> str | None:
+        for k, step in enumerate(steps):
+            try:
+                await step()
+            except Exception as exc:
+                self.broken, self._repair = repr(exc), steps[k:]
+                log.error("cell %s: rollback step failed, the cell is not usable until it is repaired: %r",
+                          self.name, exc)
+                return repr(exc)
+        self.broken, self._repair = None, ()
+        return None
+
+    async def _try_repair(self) -> None:
+        """Retries the rollback steps left after one failed (keep_registered's rounds)."""
+        async with self._lock:
+            if self.broken is None:
+                return
+            if await self._run_steps(self._repair) is None:
+                log.info("cell %s: repaired; serving as %s again", self.name, self.role)
+
+    async def _resume_if_released(self) -> None:
+        """A restarted agent registers in inference: an engine left released (the cell was
+        training when its agent stopped) gets its memory back first."""
+        try:
+            released = await self.engine.released()
+        except Exception as exc:  # an engine without server_info details: nothing to check
+            log.debug("cell %s: cannot read the engine's memory state: %r", self.name, exc)
+            return
+        if released:
+            log.info("cell %s: engine memory was released (%s); resuming it", self.name, ", ".join(released))
+            await self.engine.resume()
+            await self._catch_up_weights()
 
     async def _finish(self, rec: SwitchRecord, causation_id: str | None) -> None:
         version = await self._weight_version_safe() if rec.role_now == "inference" else 0
@@ -169,7 +222,14 @@ class CellAgent:
         else:
             ev = SwitchFailed(run_id=self.run_id, cell=self.name, role=rec.role_now, phase=rec.failed_phase or "?",
                               reason=rec.reason or "unknown", causation_id=causation_id)
-        await self.bus.publish(ev)
+        for delay in FINISH_RETRY_S:  # the scheduler waits on this event: try hard to write it
+            try:
+                await self.bus.publish(ev)
+                return
+            except Exception as exc:
+                log.error("cell %s: could not publish %s (%r); again in %.1fs", self.name, ev.TYPE, exc, delay)
+                await asyncio.sleep(delay)
+        await self.bus.publish(ev)  # the last try raises to the caller
 
     # -- command channel -----------------------------------------------------------------
 

@@ -21,14 +21,19 @@ class Demand:
     claimed: dict[str, str] = field(default_factory=dict)  # micro-step -> cell
     done: dict[str, int] = field(default_factory=dict)  # micro-step -> step
     applied_steps: set[int] = field(default_factory=set)
+    step_groups: dict[int, set[str]] = field(default_factory=dict)  # step -> its training groups started
+    queued_groups: set[str] = field(default_factory=set)  # groups with micro-steps queued
 
     def apply(self, ev: Event) -> None:
         if isinstance(ev, RolloutStarted):
             self.running_rollouts.add(ev.rollout_id)
+            if ev.purpose == "train":
+                self.step_groups.setdefault(ev.step, set()).add(ev.group_id)
         elif isinstance(ev, (RolloutFinished, RolloutTimedOut)):
             self.running_rollouts.discard(ev.rollout_id)
         elif isinstance(ev, MicroStepQueued):
             self.queued[ev.micro_step] = ev.step
+            self.queued_groups.add(ev.group_id)
         elif isinstance(ev, MicroStepClaimed):
             self.claimed[ev.micro_step] = ev.cell
         elif isinstance(ev, MicroStepDone):
@@ -45,8 +50,12 @@ class Demand:
 
     @property
     def update_pending(self) -> bool:
+        """A step's whole batch is trained: every group started for it has its micro-steps
+        queued (the trajectory service queues a group's all at once) and all are done.
+        Steps whose rollouts were never seen (a log cut short) count what was queued."""
         steps = {s for s in self.queued.values() if s not in self.applied_steps}
-        return any(all(m in self.done for m, s in self.queued.items() if s == step) for step in steps)
+        return any(self.step_groups.get(step, set()) <= self.queued_groups
+                   and all(m in self.done for m, s in self.queued.items() if s == step) for step in steps)
 
     @property
     def busy_trainers(self) -> frozenset[str]:

@@ -5,12 +5,20 @@ demand (calls in flight from the proxy, unfinished rollouts and training work fr
 log), runs ``decide``, appends the resulting events (``WaterLevelSampled``,
 ``SwitchRequested``) and sends each switch to its cell agent as a NATS request. The
 cells' own events (``CellRegistered``, ``SwitchPhaseEntered``, ``SwitchCompleted``,
-``SwitchFailed``) come back through the log and move the state on; events this process
-wrote are not applied twice. The cells stream is read to its end before every decision
-(``catch_up_cells``), so the scheduler's state is the fold of the log in stream order
-(``replay.CellsFold``) and its own facts are applied as their events record them: at stop
-it keeps that fold's summary (``final``), which ``gyre replay --cells`` compares with a
+``SwitchFailed``) come back through the log and move the state on. The scheduler's own
+events are applied only as the log returns them: it publishes, then reads the cells
+stream to its end (``catch_up_cells``), so its state is always the fold of the log in
+stream order (``replay.CellsFold``), whatever a cell wrote while it decided, and a publish
+that fails leaves no trace in the state. A switch command is sent only once its
+``SwitchRequested`` has been read back and accepted by the fold (a cell event that landed
+first can make it illegal: then nothing is sent, as a replay refuses it too). At stop it
+keeps that fold's summary (``final``), which ``gyre replay --cells`` compares with a
 rebuild from the log alone.
+
+A command nobody answers (no cell agent subscribed: it is down) is recorded as a
+``SwitchFailed`` on the cell's behalf, back in the role it had, so the cell does not stay
+half-way for good; a restarted agent registers again and the fold takes the role it
+states.
 """
 
 from __future__ import annotations
@@ -19,14 +27,16 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 from typing import Any
 
 from libs.common.bus.port import EventBus
-from libs.common.events import Context, EventDecodeError, decode
+from libs.common.events import Context, EventDecodeError, SwitchFailed, decode
 
 from .core import SchedulerState, Tick, decide
 from .core.facts import SwitchStarted
-from .core.translate import from_event, to_event
+from .core.lifecycle import SWITCH_PATH, Role
+from .core.translate import to_event
 from .demand import Demand
 from .replay import CellsFold
 
@@ -44,7 +54,8 @@ class LiveScheduler:
         self.tick_s, self.clock = tick_s, clock
         self.fold = CellsFold()  # the state, and each cell's timeline (what a replay must rebuild)
         self.demand = Demand()
-        self._mine: set[str] = set()  # ids of events this process appended
+        self._to_send: dict[str, tuple[str, str]] = {}  # SwitchRequested id -> (cell, role), until read back
+        self._read_back: dict[str, bool] = {}  # of those: id -> accepted by the fold
         self._tasks: set[asyncio.Task] = set()
         self.switch_answers: list[dict[str, Any]] = []
         self.last_tick: Tick | None = None
@@ -59,15 +70,17 @@ class LiveScheduler:
         self._apply_event(ev)
 
     def _apply_event(self, ev: Any) -> None:
-        if ev.run_id != self.run_id or ev.event_id in self._mine:
+        if ev.run_id != self.run_id:
             return
         self.demand.apply(ev)
         if ev.CONTEXT is not Context.CELLS:
             return
         errors = len(self.fold.errors)
-        self.fold.apply(ev)
+        accepted = self.fold.apply(ev)
         if len(self.fold.errors) > errors:
             log.error("scheduler: cannot apply %s", self.fold.errors[-1])
+        if ev.event_id in self._to_send:
+            self._read_back[ev.event_id] = accepted
 
     @property
     def state(self) -> SchedulerState:
@@ -98,26 +111,54 @@ class LiveScheduler:
         facts = decide(self.state, tick, self.policy)
         self.last_tick = tick
         for fact in facts:
-            # the fact as its event records it (times to the microsecond), so the live state is
-            # exactly what a replay of the log rebuilds; the roles count in a water-level event
-            # is the same before and after it (it moves no cell)
+            # the roles count in a water-level event is the state's before the tick's switches
             event = to_event(fact, self.run_id, state=self.state)
-            self.fold.apply_fact((from_event(event) or fact) if event is not None else fact)
             if event is None:
                 continue
-            self._mine.add(event.event_id)
-            await self.bus.publish(event)
             if isinstance(fact, SwitchStarted):
-                self._spawn(self._switch(fact.cell, fact.to_role.value, event.event_id))
+                self._to_send[event.event_id] = (fact.cell, fact.to_role.value)
+            try:
+                await self.bus.publish(event)
+            except Exception:
+                self._to_send.pop(event.event_id, None)
+                raise  # the rest of this tick's facts are dropped; the next tick decides again
+        await self.catch_up_cells()  # our events, in stream order after whatever came first
+        self._send_accepted()
         return facts
+
+    def _send_accepted(self) -> None:
+        """Sends each switch whose request the fold has read back and accepted."""
+        for event_id in [e for e in self._to_send if e in self._read_back]:
+            cell, role = self._to_send.pop(event_id)
+            if self._read_back.pop(event_id):
+                self._spawn(self._switch(cell, role, event_id))
+            else:
+                log.warning("scheduler: switch of %s to %s not sent: the log refused it (%s)", cell, role,
+                            self.fold.errors[-1] if self.fold.errors else "?")
 
     async def _switch(self, cell: str, to_role: str, causation: str) -> None:
         try:
             answer = await self.send_switch(cell, to_role, causation)
-        except Exception as exc:  # no answer: the cell's own events (or their absence) tell the rest
+        except Exception as exc:
             answer = {"ok": False, "cell": cell, "reason": repr(exc)}
             log.error("scheduler: switch of %s to %s got no answer: %r", cell, to_role, exc)
+            if _nobody_listening(exc):
+                await self._record_unanswered(cell, to_role, causation, exc)
+            # otherwise (a timeout) the agent may still be at work: its own events tell the rest
         self.switch_answers.append({"cell": cell, "to_role": to_role, **answer})
+
+    async def _record_unanswered(self, cell: str, to_role: str, causation: str, exc: Exception) -> None:
+        """No agent took the command, so no switch began: record it failed in its first
+        phase, back in the role the cell had (read back in stream order like any cell event)."""
+        role = Role(to_role)
+        back = Role.INFERENCE if role is Role.TRAINING else Role.TRAINING
+        event = SwitchFailed(run_id=self.run_id, cell=cell, role=back.value, phase=SWITCH_PATH[role][0].value,
+                             reason=f"no cell agent answered the command ({type(exc).__name__})",
+                             causation_id=causation, time=datetime.fromtimestamp(self.clock(), UTC))
+        try:
+            await self.bus.publish(event)
+        except Exception as publish_exc:
+            log.error("scheduler: could not record the unanswered switch of %s: %r", cell, publish_exc)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -169,6 +210,15 @@ class LiveScheduler:
 
         await self.catch_up_cells()
         return {**summary(self.fold), "through_seq": self.cells_seq, "run_id": self.run_id}
+
+
+def _nobody_listening(exc: Exception) -> bool:
+    """NATS said no subscriber exists for the cell's command subject."""
+    try:
+        from nats.errors import NoRespondersError
+    except ImportError:  # pragma: no cover - nats-py is a dependency
+        return False
+    return isinstance(exc, NoRespondersError)
 
 
 STOP_WAIT_S = 3.0  # at stop, for answers of switches in flight and for the last read (serve() waits 10 s)

@@ -117,6 +117,73 @@ async def test_a_failed_resume_rolls_back_to_training_with_the_seat_joined(proxy
     assert proxy.service.router.cells["e1"].state.value == "active"
 
 
+async def test_a_rollback_that_cannot_resume_keeps_the_cell_out_of_routing_until_repaired(
+        proxy, engines, model_dir) -> None:
+    """Joining fails, then resuming the engine fails too: the cell must not be put back in
+    the proxy's routing (calls would hit an engine without memory); it says why, refuses
+    switches meanwhile, and keep_registered repairs it once the engine comes back."""
+    import asyncio
+
+    from ._fakes import ResumeFailsOnce
+
+    agents = await setup_cells(proxy, engines, model_dir, seat_for_e1=FailingSeat())
+    cell = agents[1]
+    cell.engine = ResumeFailsOnce(cell.engine)
+    rec = await cell.switch("training")
+    assert not rec.ok and rec.failed_phase == "joining" and cell.role == "inference"
+    assert "rollback to inference failed" in rec.reason and "out of memory" in rec.reason
+    assert cell.broken is not None
+    assert proxy.service.router.cells["e1"].state.value != "active"  # not routed to
+    refused = await cell.switch("training")
+    assert refused.failed_phase == "refused" and "not usable" in refused.reason
+    failed = [e for e in await cell_events(proxy.bus) if isinstance(e, SwitchFailed)]
+    assert [e.phase for e in failed[-2:]] == ["joining", "refused"]
+    stop = asyncio.Event()
+    task = asyncio.create_task(cell.keep_registered(stop, every_s=0.05))
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if cell.broken is None:
+            break
+    stop.set()
+    await task
+    assert cell.broken is None and proxy.service.router.cells["e1"].state.value == "active"
+    await talk(await proxy.rollout("cell-repair"), [[{"role": "user", "content": "hi"}]])
+
+
+async def test_a_phase_that_cannot_be_announced_fails_in_the_phase_the_log_knows(proxy, engines, model_dir) -> None:
+    agents = await setup_cells(proxy, engines, model_dir)
+    cell = agents[1]
+    publish = cell.bus.publish
+    calls = {"n": 0}
+
+    async def flaky(event):  # the bus fails on the joining announcement only
+        if isinstance(event, SwitchPhaseEntered) and event.phase == "joining":
+            calls["n"] += 1
+            raise ConnectionError("nats went away")
+        return await publish(event)
+
+    cell.bus.publish = flaky
+    try:
+        rec = await cell.switch("training")
+    finally:
+        cell.bus.publish = publish
+    assert calls["n"] == 1 and not rec.ok and rec.failed_phase == "releasing" and cell.role == "inference"
+    failed = [e for e in await cell_events(proxy.bus) if isinstance(e, SwitchFailed)]
+    assert failed[-1].phase == "releasing" and failed[-1].role == "inference"
+    assert await cell.engine.released() == [] and proxy.service.router.cells["e1"].state.value == "active"
+
+
+async def test_a_restarted_agent_resumes_an_engine_left_released(proxy, engines, model_dir) -> None:
+    agents = await setup_cells(proxy, engines, model_dir)
+    assert (await agents[1].switch("training")).ok
+    assert await agents[1].engine.released()
+    again = CellAgent(name="e1", run_id="ptest", bus=proxy.bus, proxy=ProxyControl(proxy.url, ADMIN),
+                      engine=agents[1].engine, seat=WeightsSeat(model_dir), engine_url=engines[1].url)
+    await again.register()  # as the agent process does when it starts again
+    assert await again.engine.released() == []
+    await talk(await proxy.rollout("cell-restart"), [[{"role": "user", "content": "hi"}]])
+
+
 async def test_switch_command_over_nats(proxy, engines, model_dir) -> None:
     agents = await setup_cells(proxy, engines, model_dir)
     sub = await agents[1].serve_commands(proxy.bus.nc)

@@ -67,7 +67,7 @@ def test_full_round_trip_walks_every_phase() -> None:
         ([SwitchStarted(cell="c1", to_role=Role.TRAINING, at=1, reason="t")], "satellite cannot move to training"),
         ([SwitchStarted(cell="zz", to_role=Role.TRAINING, at=1, reason="t")], "unknown cell 'zz'"),
         ([CellAdded(cell="c9", role=Role.INFERENCE, capacity=8, is_core=True)], "a core cell already exists"),
-        ([CellAdded(cell="c1", role=Role.INFERENCE, capacity=8)], "registered twice"),
+        ([CellAdded(cell="c1", role=Role.INFERENCE, capacity=8, is_core=True)], "registered again as core"),
         ([CellAdded(cell="c9", role=Role.INFERENCE, capacity=0)], "capacity must be >= 1"),
         ([SwitchStarted(cell="c0", to_role=Role.TRAINING, at=1, reason="t"),
           SwitchAborted(cell="c0", role=Role.TRAINING, phase=CellPhase.DRAINING, reason="x", at=2)],
@@ -83,6 +83,28 @@ def test_illegal_transitions_are_rejected_with_the_reason(facts: list, message: 
     state = cluster(2)
     with pytest.raises(IllegalTransition, match=message):
         evolve_all(state, facts)
+
+
+def test_a_cell_registering_again_is_in_the_role_it_states() -> None:
+    # c0's agent restarted in the middle of a switch: the switch died with it
+    state = evolve_all(cluster(2), to_training("c0")[:2])
+    assert state.cell("c0").phase is CellPhase.MIGRATING
+    state = evolve(state, CellAdded(cell="c0", role=Role.INFERENCE, capacity=8, is_core=True, at=5))
+    c0 = state.cell("c0")
+    assert (c0.phase, c0.since, c0.switches) == (CellPhase.INFERENCE, 5, 1)
+    assert c0.last_failure == "registered again as inference while migrating"
+    state = evolve(state, CellAdded(cell="c1", role=Role.INFERENCE, capacity=4, at=6))  # same role: no note
+    assert (state.cell("c1").capacity, state.cell("c1").last_failure) == (4, None)
+
+
+def test_a_refused_switch_leaves_the_cell_in_the_role_it_reports() -> None:
+    # the scheduler thought c0 trained; its agent (restarted) serves inference and refuses
+    state = evolve_all(cluster(2), to_training("c0"))
+    state = evolve(state, SwitchStarted(cell="c0", to_role=Role.INFERENCE, at=20, reason="t"))
+    state = evolve(state, SwitchAborted(cell="c0", role=Role.INFERENCE, phase=None, at=21,
+                                        reason="refused: already in inference"))
+    assert state.cell("c0").phase is CellPhase.INFERENCE
+    assert state.cell("c0").last_failure == "refused: already in inference"
 
 
 def test_core_cannot_leave_training_while_satellites_train() -> None:

@@ -124,3 +124,132 @@ async def test_the_live_state_is_what_the_log_replays_to_the_microsecond(js_bus)
         fold.apply(d.event)
     assert compare(summary(fold), final)["same_as_live"]
     assert live.state.level_at == fold.state.level_at  # the microsecond the event stores
+
+
+def _two_cells(run: str):
+    return [CellRegistered(run_id=run, cell="c0", role="inference", is_core=True, capacity=4),
+            CellRegistered(run_id=run, cell="c1", role="inference", capacity=4)]
+
+
+async def _work(bus, run: str) -> None:
+    await bus.publish(MicroStepQueued(run_id=run, step=0, micro_step="0.0", group_id="g", sample_digests=[D],
+                                      advantages=[1.0], n_tokens=10))
+
+
+def _eager(run: str, bus, proxy_stats, send_switch) -> LiveScheduler:
+    return LiveScheduler(run_id=run, bus=bus, policy=ElasticPolicy(hold_s=0, min_dwell_s=0, smoothing_s=0),
+                         proxy_stats=proxy_stats, send_switch=send_switch, clock=time.time)
+
+
+async def _replayed(bus, run: str):
+    from services.scheduler.replay import CellsFold
+
+    fold = CellsFold()
+    async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{run}.cells.>"):
+        fold.apply(d.event)
+    return fold
+
+
+async def test_a_switch_is_sent_only_once_the_log_accepted_it(js_bus) -> None:
+    """A cell event written while the scheduler decided (here: c0's agent restarted and
+    registered in training) lands before the request; the request, illegal after it, is
+    refused by the live fold as by a replay, and no command goes out."""
+    run, bus, sent = "race", js_bus, []
+    for ev in _two_cells(run):
+        await bus.publish(ev)
+
+    async def proxy_stats() -> dict:
+        if not sent:
+            await bus.publish(CellRegistered(run_id=run, cell="c0", role="training", is_core=True, capacity=4))
+        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        sent.append((cell, to_role))
+        return {"ok": True}
+
+    live = _eager(run, bus, proxy_stats, send_switch)
+    await live.catch_up_cells()
+    await _work(bus, run)
+    await asyncio.sleep(0.3)  # the demand follower is not running: feed it by hand
+    async for d in bus.read(Context.TREES):
+        live.demand.apply(d.event)
+    facts = await live.tick()
+    assert any(type(f).__name__ == "SwitchStarted" for f in facts)  # decided on the state before c0's report
+    await asyncio.sleep(0.1)
+    assert sent == []
+    assert live.state.cell("c0").phase.value == "training"
+    assert any("already in role training" in e for e in live.fold.errors)
+    replay = await _replayed(bus, run)
+    assert (replay.state, replay.errors) == (live.state, live.fold.errors)
+
+
+async def test_a_failed_publish_leaves_no_trace_and_sends_nothing(js_bus) -> None:
+    run, bus, sent = "nopub", js_bus, []
+    for ev in _two_cells(run):
+        await bus.publish(ev)
+
+    async def proxy_stats() -> dict:
+        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        sent.append((cell, to_role))
+        return {"ok": True}
+
+    live = _eager(run, bus, proxy_stats, send_switch)
+    await live.catch_up_cells()
+    live.demand.queued["0.0"] = 0  # training work waits
+    publish = bus.publish
+
+    async def failing(event):
+        if type(event).__name__ == "SwitchRequested":
+            raise ConnectionError("nats went away")
+        return await publish(event)
+
+    bus.publish = failing
+    try:
+        await live.tick()
+    except ConnectionError:
+        pass
+    else:
+        raise AssertionError("the tick should fail")
+    finally:
+        bus.publish = publish
+    await asyncio.sleep(0.1)
+    assert sent == [] and {c.phase.value for c in live.state.cells} == {"inference"}
+    await live.catch_up_cells()
+    assert {c.phase.value for c in live.state.cells} == {"inference"}  # the log holds no request either
+    await live.tick()  # the next tick decides again, and sends
+    await asyncio.sleep(0.1)
+    assert sent == [("c0", "training")]
+
+
+async def test_a_command_nobody_answers_puts_the_cell_back(js_bus) -> None:
+    from nats.errors import NoRespondersError
+
+    run, bus = "noagent", js_bus
+    for ev in _two_cells(run):
+        await bus.publish(ev)
+
+    async def proxy_stats() -> dict:
+        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        raise NoRespondersError()
+
+    live = _eager(run, bus, proxy_stats, send_switch)
+    await live.catch_up_cells()
+    live.demand.queued["0.0"] = 0
+    await live.tick()
+    for _ in range(50):
+        await asyncio.sleep(0.05)
+        if live.switch_answers:
+            break
+    await live.catch_up_cells()
+    c0 = live.state.cell("c0")
+    assert c0.phase.value == "inference" and "no cell agent answered" in c0.last_failure
+    assert not live.fold.errors
+    # and it is not drained again at once, every tick (each attempt moves its sessions away)
+    facts = await live.tick()
+    assert not any(type(f).__name__ == "SwitchStarted" for f in facts)
+    replay = await _replayed(bus, run)
+    assert replay.state == live.state

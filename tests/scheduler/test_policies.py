@@ -11,9 +11,11 @@ from services.scheduler.core import (
     CellPhase,
     ColocatePolicy,
     ElasticPolicy,
+    PhaseReached,
     Pressure,
     Role,
     SwitchAborted,
+    SwitchFinished,
     SwitchStarted,
     Tick,
     WaterLevelObserved,
@@ -86,6 +88,34 @@ def test_update_pending_pulls_the_core_in_at_once() -> None:
     state, log = step(state, Tick(at=0, running_calls=30, update_pending=True), QUICK)
     started = [(f.cell, f.reason) for f in log if isinstance(f, SwitchStarted)]
     assert started == [("c0", "core applies the step's update")]
+
+
+def test_the_update_waits_while_no_other_cell_serves() -> None:
+    # c1 is on its way back from training, the core is back already: the core leaving for
+    # the update now would leave nobody serving until c1 resumes
+    state = evolve_all(cluster(2, training=2), [
+        SwitchStarted(cell="c1", to_role=Role.INFERENCE, at=1, reason="t"),
+        SwitchStarted(cell="c0", to_role=Role.INFERENCE, at=2, reason="t"),
+        PhaseReached(cell="c0", phase=CellPhase.RESUMING, at=3),
+        SwitchFinished(cell="c0", role=Role.INFERENCE, at=4)])
+    assert phases(state) == {"c0": CellPhase.INFERENCE, "c1": CellPhase.LEAVING}
+    tick = Tick(at=8, running_calls=6, update_pending=True)
+    assert not [f for f in decide(state, tick, QUICK) if isinstance(f, SwitchStarted)]
+    state = evolve_all(state, [PhaseReached(cell="c1", phase=CellPhase.RESUMING, at=9),
+                               SwitchFinished(cell="c1", role=Role.INFERENCE, at=10)])
+    started = [f.cell for f in decide(state, Tick(at=11, running_calls=6, update_pending=True), QUICK)
+               if isinstance(f, SwitchStarted)]
+    assert started == ["c0"]
+
+
+def test_a_cell_whose_switch_failed_is_left_alone_for_a_while() -> None:
+    state = evolve_all(cluster(3), [SwitchStarted(cell="c0", to_role=Role.TRAINING, at=0, reason="t"),
+                                    SwitchAborted(cell="c0", role=Role.INFERENCE, phase=CellPhase.DRAINING,
+                                                  reason="joining failed", at=1)])
+    tick = dict(running_calls=0, update_pending=True)
+    assert not [f for f in decide(state, Tick(at=30, **tick), QUICK) if isinstance(f, SwitchStarted)]
+    later = [f.cell for f in decide(state, Tick(at=61, **tick), QUICK) if isinstance(f, SwitchStarted)]
+    assert later == ["c0"]
 
 
 def test_idle_trainers_return_when_there_is_no_training_work() -> None:

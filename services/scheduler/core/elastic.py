@@ -3,7 +3,8 @@
 Rules, in order, each tick:
 
 1. The step's update waits on the core: if every micro-step of the step is done and the
-   core serves inference, the core switches to training now (no hold, no dwell).
+   core serves inference, the core switches to training now (no hold, no dwell), as long
+   as ``min_inference_cells`` others serve without it.
 2. ``release``: training work waits and the water level fits in the serving cells minus
    one at ``low_watermark`` utilisation -> after ``hold_s`` one cell switches to training:
    the core first (it roots the training group), then the most idle satellite.
@@ -72,7 +73,9 @@ class ElasticPolicy:
         out: list[SwitchStarted] = []
         core = state.core
         if tick.update_pending and core is not None and core.phase is CellPhase.INFERENCE:
-            out.append(start(core, Role.TRAINING, tick, "core applies the step's update", level))
+            others_serving = len(state.in_phase(CellPhase.INFERENCE)) - 1
+            if others_serving >= self.min_inference_cells:  # else: once a returning cell serves
+                out.append(start(core, Role.TRAINING, tick, "core applies the step's update", level))
             return out
         if state.pressure_held(tick.at) < self.hold_s:
             return out

@@ -97,11 +97,14 @@ class SwitchFinished:
 
 @dataclass(frozen=True)
 class SwitchAborted:
-    """A switch failed part-way; the cell reports the safe role it is left in and why."""
+    """A switch failed part-way; the cell reports the safe role it is left in and why.
+
+    ``phase`` None: the cell refused the command before any phase (it was not in the role
+    the scheduler thought, e.g. after a restart); the role it reports is taken as is."""
 
     cell: str
     role: Role
-    phase: CellPhase
+    phase: CellPhase | None
     reason: str
     at: float
 

@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from .facts import Fact, Pressure, SwitchStarted, Tick, WaterLevelObserved
-from .lifecycle import CellPhase, Role
+from .lifecycle import CellPhase, IllegalTransition, Role
 from .state import Cell, SchedulerState, evolve
 
 
@@ -104,10 +104,23 @@ def decide(state: SchedulerState, tick: Tick, policy: Policy) -> list[Fact]:
     observed = observe(state, tick, pressure, raw, level)
     facts: list[Fact] = [observed]
     current = evolve(state, observed)
+    held_back = False
     for switch in policy.switches(current, tick, level):
-        current = evolve(current, switch)  # each decision sees the ones before it
+        cell = current.cell(switch.cell)
+        if cell.last_failure is not None and tick.at - cell.since < RETRY_AFTER_FAILURE_S:
+            held_back = True  # its last switch failed just now: do not drain it again every tick
+            continue
+        try:
+            current = evolve(current, switch)  # each decision sees the ones before it
+        except IllegalTransition:
+            if not held_back:
+                raise
+            continue  # it needed a switch held back above (a satellite behind the core)
         facts.append(switch)
     return facts
+
+
+RETRY_AFTER_FAILURE_S = 60.0  # a cell whose switch failed keeps its role at least this long
 
 
 def start(cell: Cell, to_role: Role, tick: Tick, reason: str, level: float = 0.0) -> SwitchStarted:

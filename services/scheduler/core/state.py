@@ -5,9 +5,12 @@
 away from it) raises :class:`IllegalTransition` with the cell and the reason, so a live
 scheduler refuses it and a replay of a corrupt log stops where the log went wrong.
 
-Invariant kept on every switch start: the training group is rooted at the core cell.
-A satellite may start toward training only while the core is in or heading to training,
-and the core may start leaving training only once no satellite is in or heading to it.
+Checked on every switch start: the training group is rooted at the core cell. A satellite
+may start toward training only while the core is in or heading to training, and the core
+may start leaving training only once no satellite is in or heading to it. A failed or
+refused switch, or a cell registering again after a restart, puts the cell in the role it
+reports, even where that breaks the rule (the cell's word on itself stands); the policies
+then move the satellites back.
 """
 
 from __future__ import annotations
@@ -122,8 +125,9 @@ def _put(state: SchedulerState, cell: Cell) -> SchedulerState:
 
 
 def _cell_added(state: SchedulerState, fact: CellAdded) -> SchedulerState:
-    if any(c.name == fact.cell for c in state.cells):
-        raise IllegalTransition(f"cell {fact.cell}: registered twice")
+    known = next((c for c in state.cells if c.name == fact.cell), None)
+    if known is not None:
+        return _cell_registered_again(state, known, fact)
     if fact.capacity < 1:
         raise IllegalTransition(f"cell {fact.cell}: capacity must be >= 1, got {fact.capacity}")
     if fact.is_core and state.core is not None:
@@ -134,6 +138,20 @@ def _cell_added(state: SchedulerState, fact: CellAdded) -> SchedulerState:
     if fact.role is Role.TRAINING and not fact.is_core and not _core_toward_training(state):
         raise IllegalTransition(f"cell {fact.cell}: a satellite cannot register in training without the core")
     cell = Cell(fact.cell, STABLE_PHASE[fact.role], fact.capacity, fact.is_core, since=fact.at)
+    return _put(state, cell)
+
+
+def _cell_registered_again(state: SchedulerState, known: Cell, fact: CellAdded) -> SchedulerState:
+    """A cell agent that restarted registers again: it is in the role it states now,
+    whatever switch the scheduler saw in progress (that switch died with the agent)."""
+    if fact.is_core != known.is_core:
+        raise IllegalTransition(f"cell {fact.cell}: registered again as {'core' if fact.is_core else 'satellite'}, "
+                                f"but it is a {'core' if known.is_core else 'satellite'} cell")
+    if fact.capacity < 1:
+        raise IllegalTransition(f"cell {fact.cell}: capacity must be >= 1, got {fact.capacity}")
+    note = None if known.phase is STABLE_PHASE[fact.role] else f"registered again as {fact.role.value} while {known.phase.value}"
+    cell = replace(known, phase=STABLE_PHASE[fact.role], capacity=fact.capacity, since=fact.at,
+                   last_failure=note or known.last_failure)
     return _put(state, cell)
 
 
@@ -176,6 +194,8 @@ def _switch_finished(state: SchedulerState, fact: SwitchFinished) -> SchedulerSt
 
 def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerState:
     cell = state.cell(fact.cell)
+    if fact.phase is None:  # refused before any phase: the cell's own word on its role stands
+        return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason))
     if fact.phase is not cell.phase:
         raise IllegalTransition(
             f"cell {cell.name}: failure reported in {fact.phase.value} but the cell is {cell.phase.value}"

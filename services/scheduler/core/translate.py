@@ -5,6 +5,8 @@ starts at ``origin`` (a fixed date, so simulated logs are reproducible).
 
 - ``PhaseReached`` <-> ``SwitchPhaseEntered`` (a cell's progress through draining,
   migrating, releasing, joining, leaving and resuming).
+- ``SwitchAborted`` <-> ``SwitchFailed``; ``phase="refused"`` (the cell agent refused the
+  command: it was not in the role the scheduler thought) reads as ``phase=None``.
 - ``WaterLevelObserved`` <-> ``WaterLevelSampled`` with the policy's ``pressure``,
   ``smoothed_level`` and ``training_backlog``, so a replay rebuilds the hysteresis state
   exactly. Events written without them read as ``steady``, the raw level and 0.
@@ -38,6 +40,7 @@ from .lifecycle import CellPhase, Role
 from .state import SchedulerState
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+REFUSED = "refused"  # SwitchFailed.phase of a command the cell refused before any phase
 
 
 def _other(role: Role) -> Role:
@@ -60,8 +63,8 @@ def to_event(
         return SwitchCompleted(cell=fact.cell, role=fact.role.value, weight_version=fact.weight_version,
                                phase_timings=dict(fact.phase_timings), **env)
     if isinstance(fact, SwitchAborted):
-        return SwitchFailed(cell=fact.cell, role=fact.role.value, phase=fact.phase.value,
-                            reason=fact.reason, **env)
+        return SwitchFailed(cell=fact.cell, role=fact.role.value,
+                            phase=REFUSED if fact.phase is None else fact.phase.value, reason=fact.reason, **env)
     if isinstance(fact, WaterLevelObserved):
         by_role = state.roles_count() if state is not None else {}
         return WaterLevelSampled(level=fact.level, inference_capacity=fact.inference_capacity,
@@ -87,8 +90,8 @@ def from_event(event: Event, *, origin: datetime = EPOCH) -> Fact | None:
         return SwitchFinished(cell=event.cell, role=Role(event.role), at=at,
                               weight_version=event.weight_version, phase_timings=dict(event.phase_timings))
     if isinstance(event, SwitchFailed):
-        return SwitchAborted(cell=event.cell, role=Role(event.role), phase=CellPhase(event.phase),
-                             reason=event.reason, at=at)
+        phase = None if event.phase == REFUSED else CellPhase(event.phase)
+        return SwitchAborted(cell=event.cell, role=Role(event.role), phase=phase, reason=event.reason, at=at)
     if isinstance(event, WaterLevelSampled):
         return WaterLevelObserved(
             at=at, level=event.level, inference_capacity=event.inference_capacity,

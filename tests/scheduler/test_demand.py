@@ -1,0 +1,48 @@
+"""What the live scheduler reads of demand from the log (``services/scheduler/demand.py``)."""
+
+from __future__ import annotations
+
+from libs.common.events import MicroStepDone, MicroStepQueued, RolloutStarted, StepApplied
+from services.scheduler.demand import Demand
+
+RUN = "d"
+D = "ab" * 32
+
+
+def _started(rollout: str, group: str, step: int, purpose: str = "train") -> RolloutStarted:
+    return RolloutStarted(run_id=RUN, rollout_id=rollout, task_id="t", group_id=group, harness="h",
+                          weight_version=0, api_key_digest=D, step=step, purpose=purpose)
+
+
+def _queued(name: str, group: str, step: int) -> MicroStepQueued:
+    return MicroStepQueued(run_id=RUN, step=step, micro_step=name, group_id=group, sample_digests=[D],
+                           advantages=[0.5], n_tokens=10)
+
+
+def _done(name: str, step: int) -> MicroStepDone:
+    return MicroStepDone(run_id=RUN, step=step, micro_step=name, cell="c0", n_tokens=10, weight_version=0, loss=0.1)
+
+
+def test_the_update_waits_for_every_group_of_the_step() -> None:
+    d = Demand()
+    for ev in (_started("a1", "ga", 0), _started("b1", "gb", 0), _started("e1", "ge", 0, purpose="eval"),
+               _started("n1", "gn", 1)):
+        d.apply(ev)
+    d.apply(_queued("ga-m0", "ga", 0))
+    d.apply(_done("ga-m0", 0))
+    assert d.backlog == 0 and not d.update_pending  # group gb of step 0 is still being generated
+    d.apply(_queued("gb-m0", "gb", 0))
+    d.apply(_queued("gb-m1", "gb", 0))
+    assert d.backlog == 2 and not d.update_pending
+    d.apply(_done("gb-m0", 0))
+    d.apply(_done("gb-m1", 0))
+    assert d.update_pending  # the eval group never trains; step 1's group is not step 0's
+    d.apply(StepApplied(run_id=RUN, step=0, weight_version=1))
+    assert not d.update_pending
+
+
+def test_a_log_without_the_starts_counts_what_was_queued() -> None:
+    d = Demand()
+    d.apply(_queued("g-m0", "g", 3))
+    d.apply(_done("g-m0", 3))
+    assert d.update_pending
