@@ -125,7 +125,9 @@ def report(
 @app.command()
 def serve(
     service: Annotated[str, typer.Argument(help="service name (see `gyre serve --list`)")] = "",
-    port: Annotated[int, typer.Option(help="port of /health and /metrics")] = 0,
+    port: Annotated[int, typer.Option(help="port of /health and /metrics (the proxy's APIs, the engine's SGLang API "
+                                           "too); 0 = a free port, chosen at start. For the engine it takes "
+                                           "the place of GYRE_ENGINE_PORT, and GYRE_HOST of GYRE_ENGINE_HOST")] = 0,
     list_: Annotated[bool, typer.Option("--list", help="list the services and exit")] = False,
     batch: Annotated[int, typer.Option(help="projector: events per transaction")] = 500,
 ) -> None:
@@ -241,7 +243,10 @@ def tree_show(
 
 @app.command()
 def replay(
-    from_file: Annotated[Optional[list[Path]], typer.Option("--from", help="exported JSON Lines (default: live NATS)")] = None,
+    from_file: Annotated[Optional[list[Path]], typer.Option("--from", help="exported JSON Lines (default: the log on "
+                                                            "GYRE_NATS_URL; without it, a finished run's store, "
+                                                            "reopened: --run-dir, GYRE_RUN_DIR, or runs/<run> "
+                                                            "with --run)")] = None,
     database_url: Annotated[Optional[str], typer.Option(help="database to rebuild into [GYRE_DATABASE_URL]")] = None,
     run_id: Annotated[Optional[str], typer.Option("--run", help="only this run's events")] = None,
     trees: Annotated[bool, typer.Option("--trees", help="rebuild the run's trees and samples instead; compare")] = False,

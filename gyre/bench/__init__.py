@@ -82,5 +82,6 @@ BENCHMARKS: dict[str, tuple[Callable[..., dict[str, Any]], str]] = {
     "switch": (_switch, "embedded cell switches inference<->training with live sessions vs a cold engine restart"),
     "transfer": (_transfer, "block transfer throughput: Mooncake and UCX over loopback TCP vs memcpy (--n MiB)"),
     "migrate": (_migrate, "KV migration between two embedded engines vs re-prefill, at 8k and 32k tokens"),
-    "sim": (_sim, "the scheduler simulator on the seed workload (same as `gyre sim --json`; --n steps)"),
+    "sim": (_sim, "the scheduler simulator on the seed workload (as `gyre sim --json`, and writes "
+                   "docs/sim/roles-seed-nl2repo.png under the current folder; --n steps)"),
 }

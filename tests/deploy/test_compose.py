@@ -191,3 +191,31 @@ def test_bind_mounts_exist_and_the_evaluator_gets_its_tasks(compose):
                 assert (cat.ROOT / source).exists(), f"{name}: {source}"
     assert f"./tasks:{tasks_dir}:ro" in compose["services"]["evaluator"]["volumes"]
     assert Path(cat.HEALTHCHECK).exists()
+
+
+def test_the_core_trainer_is_wired_as_gyre_up_wires_it(compose):
+    """gyre/up.py: GYRE_TRAINER_ROLE=core, GYRE_TRAINER_CELL the core cell, GYRE_MODEL the
+    policy, GYRE_TRAINER_PUBLISH_TO every cell's engine (cell=url), groups per step set."""
+    services = compose["services"]
+    env = cat.environment(services["trainer"])
+    cells = {cat.environment(s)["GYRE_CELL_NAME"]: cat.environment(s) for s in services.values()
+             if cat.serve_name(s.get("command")) == "cell"}
+    core = [name for name, e in cells.items() if e.get("GYRE_CELL_CORE") == "1"]
+    assert env["GYRE_TRAINER_ROLE"] == "core" and [env["GYRE_TRAINER_CELL"]] == core
+    assert int(env["GYRE_TRAINER_GROUPS_PER_STEP"]) >= 1  # without it the core never closes a step
+    models = {env["GYRE_MODEL"], cat.environment(services["trajectory"])["GYRE_MODEL"],
+              cat.environment(services["proxy"])["GYRE_MODEL"]}
+    models |= {e["GYRE_MODEL"] for e in cells.values()}
+    models |= {cat.environment(s)["GYRE_ENGINE_MODEL"] for s in services.values()
+               if cat.serve_name(s.get("command")) == "engine"}
+    assert models == {"tiny-qwen"}, "one policy everywhere"
+    targets = dict(item.split("=", 1) for item in env["GYRE_TRAINER_PUBLISH_TO"].split(","))
+    assert targets == {name: e["GYRE_CELL_ENGINE_URL"] for name, e in cells.items()}
+    # separate containers share no /dev/shm: weights go as folders on the trainer's volume,
+    # which every engine mounts at the same path
+    assert env["GYRE_TRAINER_PUBLISH_MODE"] == "disk"
+    state = next(v for v in services["trainer"]["volumes"] if v.endswith(":/var/lib/gyre"))
+    for url in targets.values():
+        engine = url.removeprefix("http://").split(":")[0]
+        assert f"{state}:ro" in services[engine]["volumes"], engine
+        assert cat.environment(services[engine])["GYRE_ENGINE_ADMIN_TOKEN"]

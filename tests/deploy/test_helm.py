@@ -228,8 +228,8 @@ def test_gpu_cells_get_gpus_sglang_and_megatron_sizes():
         assert args[-4:] == values["cells"]["sglang"]["args"]
         env = {e["name"]: e.get("value") for e in agent["env"]}
         assert (env.get("GYRE_CELL_CORE") == "1") is is_core
-        assert env["GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE"] == "4"
-        assert env["GYRE_TRAINER_CONTEXT_PARALLEL_SIZE"] == "2"
+        assert env["GYRE_TRAINER_BACKEND"] == "megatron"  # the satellites compute what the core's worker does
+        assert env["GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE"] == "1"  # one process: TP > 1 cannot start
         assert env["GYRE_CELL_ENGINE_URL"].endswith(".gyre-cell.rl.svc.cluster.local:30000")
         assert agent["image"].endswith("-cuda")
         pod = doc["spec"]["template"]["spec"]
@@ -285,3 +285,66 @@ def test_bad_values_are_refused(bad, message):
     with pytest.raises(helm.HelmError) as caught:
         render(bad)
     assert message in str(caught.value)
+
+
+def _trainer_env(docs: list[dict]) -> dict[str, str | None]:
+    trainer = by_kind(docs, "Deployment")["gyre-trainer"]
+    return {e["name"]: e.get("value") for e in containers(trainer)[0]["env"]}
+
+
+def test_the_core_trainer_runs_by_default_wired_as_gyre_up_wires_it(rendered):
+    """The core cell's agent only loads weights (its seat defaults to `weights`): without the
+    trainer no update is ever applied. Its settings are those gyre/up.py gives it."""
+    name, values, docs = rendered
+    env = _trainer_env(docs)
+    cells = {**values_of("default").get("cells", {}), **values.get("cells", {})}
+    model = cells.get("model", "tiny-qwen")
+    count = cells.get("count", 2)
+    assert env["GYRE_TRAINER_ROLE"] == "core"
+    assert env["GYRE_TRAINER_CELL"] == "gyre-cell-core-0"  # the core cell's GYRE_CELL_NAME (its pod)
+    assert env["GYRE_MODEL"] == model
+    assert int(env["GYRE_TRAINER_GROUPS_PER_STEP"]) >= 1  # without it the core never closes a step
+    targets = dict(item.split("=", 1) for item in env["GYRE_TRAINER_PUBLISH_TO"].split(","))
+    assert sorted(targets) == sorted(["gyre-cell-core-0"] + [f"gyre-cell-{i}" for i in range(count - 1)])
+    for cell, url in targets.items():
+        assert url == f"http://{cell}.gyre-cell.rl.svc.cluster.local:30000"
+    trajectory = by_kind(docs, "Deployment")["gyre-trajectory"]
+    assert {e["name"]: e.get("value") for e in containers(trajectory)[0]["env"]}["GYRE_MODEL"] == model
+    if name == "gpu":
+        assert env["GYRE_TRAINER_BACKEND"] == "megatron"
+        assert env["GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE"] == "1"
+        pod = by_kind(docs, "Deployment")["gyre-trainer"]["spec"]["template"]["spec"]
+        assert pod["containers"][0]["image"].endswith("-cuda")  # megatron-core is in the cuda build
+        assert pod["tolerations"] and pod["nodeSelector"]
+        state = next(v for v in pod["volumes"] if v["name"] == "state")
+        assert state["persistentVolumeClaim"]["claimName"] == "gyre-trainer-state"
+        assert "gyre-trainer-state" in by_kind(docs, "PersistentVolumeClaim")
+        mounts = {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+        assert "/models" in mounts  # cells.model is a folder on the models claim
+
+
+def test_trainer_state_is_an_empty_dir_unless_persistence_is_on():
+    pod = by_kind(render(None), "Deployment")["gyre-trainer"]["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "state") == {"name": "state", "emptyDir": {}}
+    docs = render({"services": {"trainer": {"persistence": {"enabled": True, "existingClaim": "ckpt"}}}})
+    pod = by_kind(docs, "Deployment")["gyre-trainer"]["spec"]["template"]["spec"]
+    assert next(v for v in pod["volumes"] if v["name"] == "state")["persistentVolumeClaim"]["claimName"] == "ckpt"
+    assert not by_kind(docs, "PersistentVolumeClaim")
+
+
+def test_values_may_override_what_the_chart_sets_on_the_trainer():
+    env = _trainer_env(render({"services": {"trainer": {"env": {"GYRE_TRAINER_PUBLISH_MODE": "disk",
+                                                                 "GYRE_MODEL": "/models/other"}}}}))
+    assert env["GYRE_TRAINER_PUBLISH_MODE"] == "disk" and env["GYRE_MODEL"] == "/models/other"
+    docs = render({"services": {"trainer": {"env": {"GYRE_MODEL": "/models/other"}}}})
+    trainer = by_kind(docs, "Deployment")["gyre-trainer"]
+    names = [e["name"] for e in containers(trainer)[0]["env"]]
+    assert len(names) == len(set(names)), "an overridden variable is set once"
+
+
+def test_embedded_engines_share_the_cell_agents_shared_memory():
+    """The cell agent loads the newest weights into its engine through /dev/shm (tensor mode)."""
+    for name in ("gyre-cell-core", "gyre-cell"):
+        engine, agent = containers(by_kind(render(None), "StatefulSet")[name])
+        for c in (engine, agent):
+            assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"], c["name"]

@@ -163,3 +163,34 @@ def test_install_guide_names_every_file():
         if path.name != "INSTALL.md":
             assert path.name in guide, f"INSTALL.md does not mention {path.name}"
 
+
+
+def example(name: str) -> dict[str, str]:
+    return dict(line.split("=", 1) for line in (cat.SYSTEMD / name).read_text().splitlines()
+                if line.strip() and not line.startswith("#"))
+
+
+def test_the_guide_starts_the_core_trainer_wired_as_gyre_up_wires_it():
+    guide = (cat.SYSTEMD / "INSTALL.md").read_text()
+    enabled = " ".join(line for line in guide.splitlines() if "systemctl enable --now" in line)
+    assert "gyre-trainer" in enabled.split(), "no host enables the trainer: no update is ever applied"
+    trainer = example("trainer.env.example")
+    assert trainer["GYRE_TRAINER_ROLE"] == "core"
+    assert int(trainer["GYRE_TRAINER_GROUPS_PER_STEP"]) >= 1  # without it the core never closes a step
+    assert all("=http://" in item for item in trainer["GYRE_TRAINER_PUBLISH_TO"].split(","))
+    cell = example("cell.env.example")
+    assert cell["GYRE_CELL_CORE"] == "1"
+    assert trainer["GYRE_TRAINER_BACKEND"] == cell["GYRE_TRAINER_BACKEND"]  # satellites compute as the core
+    # one policy everywhere (a service without GYRE_MODEL falls back to tiny-qwen)
+    models = {trainer["GYRE_MODEL"], cell["GYRE_MODEL"], example("proxy.env.example")["GYRE_MODEL"],
+              example("trajectory.env.example")["GYRE_MODEL"], example("engine.env.example")["GYRE_ENGINE_MODEL"],
+              example("sglang.env.example")["SGLANG_MODEL_PATH"]}
+    assert len(models) == 1, models
+    # the second cell of the guide (cpu-0) must not be a second core cell
+    assert re.search(r"sed -i '/\^GYRE_CELL_CORE=/d' /etc/gyre/cell-cpu-0.env", guide)
+
+
+def test_the_embedded_engine_gets_its_own_admin_token():
+    """The engine reads GYRE_ENGINE_ADMIN_TOKEN only; gyre.env binds 0.0.0.0."""
+    assert example("gyre.env.example")["GYRE_HOST"] == "0.0.0.0"
+    assert example("engine.env.example")["GYRE_ENGINE_ADMIN_TOKEN"] == example("gyre.env.example")["GYRE_ADMIN_TOKEN"]

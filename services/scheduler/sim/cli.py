@@ -34,7 +34,7 @@ def _flag_type(default: object) -> Any:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gyre sim", description="Cluster-scale simulation of Gyre's scheduler.")
     p.add_argument("--preset", default="seed-nl2repo", choices=sorted(PRESETS))
-    p.add_argument("--steps", type=int, help="RL steps (default: the preset's; seed-nl2repo: 48)")
+    p.add_argument("--steps", type=int, help="RL steps (default: the preset's; seed-nl2repo: 48, tiny: 4)")
     p.add_argument("--mode", default="compare", choices=("compare", *MODES))
     p.add_argument("--training-cells", type=int, help="async: the fixed number of training cells")
     p.add_argument("--seed", type=int, default=0, help="workload seed for a single-mode run")
@@ -44,14 +44,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--refit", action="store_true", help="refit train_cost_ratio to async = 134.55 h")
     p.add_argument("--png", help="write the cell-roles picture here")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    group = p.add_argument_group("simulation parameters (default: the preset's)")
+    group = p.add_argument_group("simulation parameters (default: the --preset's value; each flag shows "
+                                 "every preset's)")
     for cls in (SimConfig, WorkloadModel):
         for f in fields(cls):
             if f.name in _SKIP:
                 continue
             default = getattr(cls(), f.name)
+            values = {name: getattr(cfg.workload if cls is WorkloadModel else cfg, f.name)
+                      for name, cfg in sorted(PRESETS.items())}
+            shown = (f"every preset: {next(iter(values.values()))}" if len(set(map(repr, values.values()))) == 1
+                     else ", ".join(f"{name}: {value}" for name, value in values.items()))
             group.add_argument(f"--{f.name.replace('_', '-')}", dest=f"opt_{f.name}", type=_flag_type(default),
-                               default=None, help=f"default {default}")
+                               default=None, help=shown.replace("%", "%%"))
     return p
 
 

@@ -138,15 +138,43 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{- define "gyre.volumes" -}}
+{{- include "gyre.volumesFor" (dict "root" . "stateClaim" "") -}}
+{{- end -}}
+
+{{/* The same, with /var/lib/gyre on a PersistentVolumeClaim when stateClaim is set:
+     (dict "root" $ "stateClaim" "name") */}}
+{{- define "gyre.volumesFor" -}}
 - {name: tmp, emptyDir: {}}
+{{- if .stateClaim }}
+- name: state
+  persistentVolumeClaim: {claimName: {{ .stateClaim }}}
+{{- else }}
 - {name: state, emptyDir: {}}
+{{- end }}
 - {name: cache, emptyDir: {}}
-{{- if .Values.nats.credsSecret }}
+{{- if .root.Values.nats.credsSecret }}
 - name: nats-creds
   secret:
-    secretName: {{ .Values.nats.credsSecret }}
+    secretName: {{ .root.Values.nats.credsSecret }}
     items: [{key: nats.creds, path: nats.creds}]
 {{- end }}
+{{- end -}}
+
+{{/* GYRE_TRAINER_PUBLISH_TO: every cell as <cell name>=<its engine's URL> (the cell name is
+     its pod's, GYRE_CELL_NAME). */}}
+{{- define "gyre.publishTo" -}}
+{{- $full := include "gyre.fullname" . -}}
+{{- $c := .Values.cells -}}
+{{- $domain := printf "%s-cell.%s.svc.%s" $full .Release.Namespace .Values.clusterDomain -}}
+{{- $pods := list (printf "%s-cell-core-0" $full) -}}
+{{- range $i := until (int (sub (int $c.count) 1)) -}}
+{{- $pods = append $pods (printf "%s-cell-%d" $full $i) -}}
+{{- end -}}
+{{- $items := list -}}
+{{- range $pod := $pods -}}
+{{- $items = append $items (printf "%s=http://%s.%s:%d" $pod $pod $domain (int $c.enginePort)) -}}
+{{- end -}}
+{{- join "," $items -}}
 {{- end -}}
 
 {{/* startup, readiness and liveness probes on /health: (dict "root" $ "override" .probes) */}}
