@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from libs.common.events import (
-    Event, MicroStepClaimed, MicroStepDone, MicroStepQueued, RolloutFinished, RolloutStarted, RolloutTimedOut,
+    Event, GroupQueued, MicroStepClaimed, MicroStepDone, MicroStepQueued, RolloutFinished, RolloutStarted, RolloutTimedOut,
     StepApplied,
 )
 
@@ -33,6 +33,9 @@ class Demand:
             self.running_rollouts.discard(ev.rollout_id)
         elif isinstance(ev, MicroStepQueued):
             self.queued[ev.micro_step] = ev.step
+            if ev.group_micro_steps is None:  # a log from before GroupQueued: count it at once
+                self.queued_groups.add(ev.group_id)
+        elif isinstance(ev, GroupQueued):  # after all of the group's micro-steps in the stream
             self.queued_groups.add(ev.group_id)
         elif isinstance(ev, MicroStepClaimed):
             self.claimed[ev.micro_step] = ev.cell
@@ -50,8 +53,8 @@ class Demand:
 
     @property
     def update_pending(self) -> bool:
-        """A step's whole batch is trained: every group started for it has its micro-steps
-        queued (the trajectory service queues a group's all at once) and all are done.
+        """A step's whole batch is trained: every group started for it is queued in full
+        (its ``GroupQueued`` read, which follows its micro-steps) and all are done.
         Steps whose rollouts were never seen (a log cut short) count what was queued."""
         steps = {s for s in self.queued.values() if s not in self.applied_steps}
         return any(self.step_groups.get(step, set()) <= self.queued_groups

@@ -11,10 +11,12 @@ the new weights (blob + ``WeightsPublished``, then to the inference cells), and 
 a checkpoint with the consumed training-stream position. Step ``s`` always trains on
 weight version ``s``: a skipped update still moves the version on (same weights).
 
-A step's size: ``MicroStepQueued.micro_steps_in_step`` when the trajectory service sets
-it, else every micro-step of ``groups_per_step`` groups (weaker: a group's micro-steps
-read only in part when the count is reached would close the step early; the trajectory
-service should set ``micro_steps_in_step``).
+A step's size: ``MicroStepQueued.micro_steps_in_step`` when set, else every micro-step
+of ``groups_per_step`` groups, each read in full: ``MicroStepQueued.group_micro_steps``
+and ``GroupQueued`` say how many micro-steps a group has (``GroupQueued`` also settles a
+group with none, whose rollouts left nothing to learn; such a step may hold no micro-step
+at all, and is then closed without an update, the version moving on). Logs written
+before those fields count a group as soon as one of its micro-steps is read.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from pathlib import Path
 import torch
 
 from libs.common.bus.port import BlobStore, EventBus
-from libs.common.events import Context, MicroStepDone, MicroStepQueued, StepApplied, WeightsPublished, decode
+from libs.common.events import (Context, Event, GroupQueued, MicroStepDone, MicroStepQueued, StepApplied,
+                                WeightsPublished, decode)
 
 from .backends.base import PolicyBackend
 from .batch import tree_batch
@@ -57,6 +60,8 @@ class _StepPlan:
     queued: dict[str, MicroStepQueued] = field(default_factory=dict)
     groups: set[str] = field(default_factory=set)
     expected: int | None = None
+    sizes: dict[str, int] = field(default_factory=dict)  # group -> its micro-steps, where the log says
+    cause: Event | None = None  # the first event of the step (StepApplied's causation)
 
 
 class CoreTrainer:
@@ -86,6 +91,7 @@ class CoreTrainer:
     async def run(self, stop) -> None:
         await self.start()
         tasks = [asyncio.create_task(self._follow(Context.TREES, 1, MicroStepQueued, self.on_queued, stop)),
+                 asyncio.create_task(self._follow(Context.TREES, 1, GroupQueued, self.on_group, stop)),
                  asyncio.create_task(self._follow(Context.TRAINING, self.state.consumed.get("training", 0) + 1,
                                                   MicroStepDone, self.on_done, stop))]
         try:
@@ -115,11 +121,25 @@ class CoreTrainer:
         plan = self.plans.setdefault(ev.step, _StepPlan())
         plan.queued[ev.micro_step] = ev
         plan.groups.add(ev.group_id)
+        plan.cause = plan.cause or ev
+        if ev.group_micro_steps:
+            plan.sizes[ev.group_id] = ev.group_micro_steps
         if ev.micro_steps_in_step:
             plan.expected = ev.micro_steps_in_step
         r = self.reducer
         if ev.step == self.state.step and ev.micro_step in r.dropped and ev.micro_step not in r.used:
             await self._recompute(ev)  # its stale result came in before this event
+        await self._maybe_finish()
+
+    async def on_group(self, ev: GroupQueued, seq: int = 0) -> None:
+        """A settled group; one with no micro-steps (nothing to learn from) still counts
+        toward its step's ``groups_per_step``."""
+        if ev.step < self.state.step:
+            return
+        plan = self.plans.setdefault(ev.step, _StepPlan())
+        plan.groups.add(ev.group_id)
+        plan.sizes[ev.group_id] = ev.micro_steps
+        plan.cause = plan.cause or ev
         await self._maybe_finish()
 
     async def on_done(self, ev: MicroStepDone, seq: int = 0) -> None:
@@ -167,8 +187,17 @@ class CoreTrainer:
         if plan is None:
             return False
         expected = plan.expected
-        if expected is None and self.settings.groups_per_step and len(plan.groups) >= self.settings.groups_per_step:
-            expected = len(plan.queued)
+        wanted = self.settings.groups_per_step
+        if expected is None and wanted:
+            if plan.sizes:  # the log says each group's size: count the groups read in full
+                read: dict[str, int] = {}
+                for q in plan.queued.values():
+                    read[q.group_id] = read.get(q.group_id, 0) + 1
+                settled = sum(1 for g, n in plan.sizes.items() if read.get(g, 0) >= n)
+                if settled >= wanted and plan.groups <= set(plan.sizes):
+                    expected = len(plan.queued)
+            elif len(plan.groups) >= wanted:  # a log written before the sizes were recorded
+                expected = len(plan.queued)
         return expected is not None and len(plan.queued) >= expected and set(plan.queued) <= set(self.reducer.used)
 
     async def _maybe_finish(self) -> None:
@@ -186,7 +215,7 @@ class CoreTrainer:
         # "step s trains on version s" holds and every cell can tell what to wait for.
         self.state.weight_version += 1
         plan = self.plans.pop(self.state.step)
-        cause = next(iter(plan.queued.values()))
+        cause = plan.cause
         stats["rejected_samples"] = float(len(r.rejected))
         await self.bus.publish(StepApplied(**cause.caused(
             event_id=_event_id(self.settings.run_id, "StepApplied", r.step), step=r.step,

@@ -27,7 +27,7 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 
-from libs.common.events import (CallRecorded, Event, ForkDetected, MicroStepQueued, RolloutScored,
+from libs.common.events import (CallRecorded, Event, ForkDetected, GroupQueued, MicroStepQueued, RolloutScored,
                                 RolloutScoringFailed, RolloutStarted, SamplesSelected, TreeSealed)
 from libs.common.events.trees import SampleRef
 
@@ -260,16 +260,19 @@ class TrajectoryLedger:
             s.packed = []  # queued: the blobs hold them from here on
         plans = plan_micro_steps([p for _, _, p in samples], self.config.micro_step_tokens)
         step = states[0].step if states else 0
-        events = []
+        env = {"run_id": run, "causation_id": cause.event_id,
+               "correlation_id": cause.correlation_id or cause.event_id, "time": cause.time}
+        events: list[Event] = []
         for k, (members, size) in enumerate(plans):
             name = f"{group_id}-m{k}"
             batch = [samples[i] for i in members]
             events.append(MicroStepQueued(
-                event_id=event_id(run, "MicroStepQueued", name), run_id=run, step=step,
+                event_id=event_id(run, "MicroStepQueued", name), step=step,
                 micro_step=name, group_id=group_id, sample_digests=[r.digest for r, _, _ in batch],
-                advantages=[a for _, a, _ in batch], n_tokens=size,
-                causation_id=cause.event_id, correlation_id=cause.correlation_id or cause.event_id,
-                time=cause.time))
+                advantages=[a for _, a, _ in batch], n_tokens=size, group_micro_steps=len(plans), **env))
+        events.append(GroupQueued(event_id=event_id(run, "GroupQueued", group_id), step=step, group_id=group_id,
+                                  micro_steps=len(plans), rollout_ids=[s.rollout_id for s in states],
+                                  samples=len(samples), **env))
         return events
 
 

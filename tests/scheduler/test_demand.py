@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from libs.common.events import MicroStepDone, MicroStepQueued, RolloutStarted, StepApplied
+from libs.common.events import GroupQueued, MicroStepDone, MicroStepQueued, RolloutStarted, StepApplied
 from services.scheduler.demand import Demand
 
 RUN = "d"
@@ -14,9 +14,9 @@ def _started(rollout: str, group: str, step: int, purpose: str = "train") -> Rol
                           weight_version=0, api_key_digest=D, step=step, purpose=purpose)
 
 
-def _queued(name: str, group: str, step: int) -> MicroStepQueued:
+def _queued(name: str, group: str, step: int, of: int | None = None) -> MicroStepQueued:
     return MicroStepQueued(run_id=RUN, step=step, micro_step=name, group_id=group, sample_digests=[D],
-                           advantages=[0.5], n_tokens=10)
+                           advantages=[0.5], n_tokens=10, group_micro_steps=of)
 
 
 def _done(name: str, step: int) -> MicroStepDone:
@@ -31,10 +31,12 @@ def test_the_update_waits_for_every_group_of_the_step() -> None:
     d.apply(_queued("ga-m0", "ga", 0))
     d.apply(_done("ga-m0", 0))
     assert d.backlog == 0 and not d.update_pending  # group gb of step 0 is still being generated
-    d.apply(_queued("gb-m0", "gb", 0))
-    d.apply(_queued("gb-m1", "gb", 0))
-    assert d.backlog == 2 and not d.update_pending
+    d.apply(_queued("gb-m0", "gb", 0, of=2))
     d.apply(_done("gb-m0", 0))
+    assert d.backlog == 0 and not d.update_pending  # gb's second micro-step is not read yet
+    d.apply(_queued("gb-m1", "gb", 0, of=2))
+    d.apply(GroupQueued(run_id=RUN, step=0, group_id="gb", micro_steps=2))
+    assert d.backlog == 1 and not d.update_pending
     d.apply(_done("gb-m1", 0))
     assert d.update_pending  # the eval group never trains; step 1's group is not step 0's
     d.apply(StepApplied(run_id=RUN, step=0, weight_version=1))

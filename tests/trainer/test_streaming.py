@@ -340,3 +340,49 @@ async def test_a_failed_satellite_join_holds_no_model():
         await seat.join(0)
     assert len(built) == 1 and seat.backend is None and not seat.joined
     await seat.leave()  # nothing to stop; still fine
+
+
+async def test_a_group_with_nothing_to_train_counts_toward_its_step(js_bus, tmp_path):
+    """groups_per_step = 2: step 0 has one group of two micro-steps and one whose rollouts
+    left no sample (GroupQueued with none); step 1 has only empty groups. Neither step
+    waits for ever: step 0 is the first group's update, step 1 closes with no update."""
+    from dataclasses import replace
+
+    from libs.common.events import GroupQueued
+
+    blobs = MemoryBlobStore()
+    core, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    core.settings = replace(core.settings, groups_per_step=2)
+    samples = _steps()[0]
+    digests = [await blobs.put(encode_packed(p)) for p, _ in samples]
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(core.run(stop))] + [asyncio.create_task(w.run(stop)) for w in workers]
+    await js_bus.publish_many([
+        MicroStepQueued(run_id=RUN, step=0, micro_step=f"g0-m{k}", group_id="g0", sample_digests=[digests[k]],
+                        advantages=[samples[k][1]], n_tokens=1, group_micro_steps=2) for k in range(2)])
+    await js_bus.publish(GroupQueued(run_id=RUN, step=0, group_id="empty0", micro_steps=0))
+    await _wait_version(core, 1)
+    await js_bus.publish_many([GroupQueued(run_id=RUN, step=1, group_id=g, micro_steps=0) for g in ("e1", "e2")])
+    await _wait_version(core, 2)
+    stop.set()
+    await asyncio.gather(*tasks)
+    applied = await _events(js_bus, Context.TRAINING, StepApplied)
+    assert [(e.step, e.weight_version, sorted(e.micro_steps_used), e.loss["applied"]) for e in applied] == [
+        (0, 1, ["g0-m0", "g0-m1"], 1.0), (1, 2, [], 0.0)]
+
+
+async def test_a_step_waits_for_a_group_read_only_in_part(js_bus, tmp_path):
+    from dataclasses import replace
+
+    blobs = MemoryBlobStore()
+    core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    core.settings = replace(core.settings, groups_per_step=1)
+    first = MicroStepQueued(run_id=RUN, step=0, micro_step="g0-m0", group_id="g0", sample_digests=["ab" * 32],
+                            advantages=[1.0], n_tokens=1, group_micro_steps=2)
+    await core.on_queued(first)
+    core.reducer.used.append("g0-m0")  # and already trained
+    assert not core._complete()  # the group has two micro-steps; one is read
+    second = first.model_copy(update={"micro_step": "g0-m1"})
+    await core.on_queued(second)
+    core.reducer.used.append("g0-m1")
+    assert core._complete()

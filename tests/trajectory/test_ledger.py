@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from libs.common.events import MicroStepQueued, RolloutScored, RolloutStarted, SamplesSelected, TreeSealed
+from libs.common.events import GroupQueued, MicroStepQueued, RolloutScored, RolloutStarted, SamplesSelected, TreeSealed
 from services.trajectory.ledger import LedgerConfig, RolloutPhase, TrajectoryLedger, tree_summary
 
 from ._calls import SYSTEM, TASK, Agent, Recorder
@@ -138,8 +138,26 @@ def test_a_start_read_after_the_score_still_completes_the_group():
     late = ledger.rollout_started(RolloutStarted(run_id=RUN, rollout_id="r1", task_id="t", group_id="g",
                                                  harness="claude_code", weight_version=0,
                                                  api_key_digest="a" * 64, step=2))
-    (step,) = late.events
-    assert isinstance(step, MicroStepQueued) and step.step == 2
+    step, group = late.events
+    assert isinstance(step, MicroStepQueued) and step.step == 2 and step.group_micro_steps == 1
+    assert isinstance(group, GroupQueued) and (group.step, group.micro_steps, group.rollout_ids) == (2, 1, ["r1"])
+
+
+def test_a_group_with_nothing_to_train_is_still_queued_as_a_group():
+    """Every score failed: no micro-step, but the trainer must count the group toward its
+    step (or wait for it for ever)."""
+    from libs.common.events import RolloutScoringFailed
+
+    ledger = _ledger(LedgerConfig(RUN), {"r1": 2, "r2": 3})
+    events = []
+    for r in ("r1", "r2"):
+        ev = RolloutScoringFailed(run_id=RUN, rollout_id=r, reason="judge down")
+        ledger.rollout_ended(r)
+        ledger.rollout_judged(ev)
+        events += ledger.seal(r, ev).events
+    assert not any(isinstance(e, MicroStepQueued) for e in events)
+    (group,) = [e for e in events if isinstance(e, GroupQueued)]
+    assert (group.group_id, group.step, group.micro_steps, group.samples) == ("g", 7, 0, 0)
 
 
 def test_service_options_become_the_ledger_config():

@@ -14,11 +14,11 @@ from .rollouts import RolloutFinished, RolloutStarted, RolloutTimedOut
 from .runs import HeldoutEvaluated, RunFinished, RunStarted, WarmStartCompleted
 from .scores import RolloutScored, RolloutScoringFailed, TestOutcome
 from .training import MicroStepClaimed, MicroStepDone, StepApplied, WeightsPublished
-from .trees import ForkDetected, MicroStepQueued, SamplesSelected, TreeSealed
+from .trees import ForkDetected, GroupQueued, MicroStepQueued, SamplesSelected, TreeSealed
 
 __all__ = [
     "CallRecorded", "CellRegistered", "Context", "DriftClass", "Event", "EventDecodeError",
-    "ForkDetected", "MicroStepClaimed", "MicroStepDone", "MicroStepQueued", "RequestRouted",
+    "ForkDetected", "GroupQueued", "MicroStepClaimed", "MicroStepDone", "MicroStepQueued", "RequestRouted",
     "RolloutFinished", "RolloutScored", "RolloutScoringFailed", "RolloutStarted",
     "RolloutTimedOut", "HeldoutEvaluated", "RunFinished", "RunStarted", "WarmStartCompleted", "SamplesSelected", "SessionOpened",
     "SessionRerouted", "StepApplied", "SwitchCompleted", "SwitchFailed", "SwitchPhaseEntered", "SwitchRequested",

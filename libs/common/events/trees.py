@@ -69,3 +69,20 @@ class MicroStepQueued(Event):
     n_tokens: int = Field(ge=0)
     rollout_ids: list[str] = Field(default_factory=list)  # parallel to sample_digests
     micro_steps_in_step: int | None = Field(default=None, ge=1)  # when known: the step is complete at this count
+    # micro-steps its group was queued as (all published together); None in older logs
+    group_micro_steps: int | None = Field(default=None, ge=1)
+
+
+@register
+class GroupQueued(Event):
+    """A training group is settled: its micro-steps (zero when none of its rollouts left
+    a sample: every score failed, or no rollout made a call) are queued. Counts the group
+    toward its step, so a step never waits on a group that has nothing to train."""
+
+    CONTEXT = Context.TREES
+    KEY = "group_id"
+    step: int = Field(ge=0)
+    group_id: str = Field(min_length=1)
+    micro_steps: int = Field(ge=0)
+    rollout_ids: list[str] = Field(default_factory=list)
+    samples: int = Field(default=0, ge=0)
