@@ -127,4 +127,4 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
 
 def _cells(service: Any) -> list[dict[str, Any]]:
     return [{"name": c.name, "state": c.state.value, "capacity": c.capacity, "in_flight": c.in_flight,
-             "sessions": len(service.router.sessions_on(c.name))} for c in service.router.cells.values()]
+             "sessions": service.router.pinned(c.name)} for c in service.router.cells.values()]

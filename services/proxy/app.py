@@ -5,7 +5,9 @@ scheduler (cells, drain, session moves). Every error is in the caller's API shap
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
+import logging
 import time
 
 import orjson
@@ -20,6 +22,8 @@ from .api import anthropic, openai_chat, openai_responses
 from .api.common import ApiError, ChatRequest, Finished, GenEvent
 from .core.routing import NoCellAvailable
 from .service import CallHints, ProxyService
+
+log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -67,6 +71,8 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
     app = FastAPI(title="gyre proxy", docs_url=None, redoc_url=None)
     registry = registry or CollectorRegistry()
     metrics = Metrics(registry)
+    service.on_recorded.append(
+        lambda api, drift, delivered: metrics.calls.labels(api, drift, str(delivered).lower()).inc())
 
     def err(api: str, e: ApiError) -> JSONResponse:
         metrics.errors.labels(api, e.kind).inc()
@@ -87,6 +93,8 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
             return err(api, e)
         except NoCellAvailable as e:
             return err(api, ApiError(529, "overloaded", str(e)))
+        except Exception as e:  # a bug or an outage: still an answer the caller's SDK understands
+            return err(api, internal_error(e))
         started = time.monotonic()
         if req.stream:
             return StreamingResponse(_sse(req, first, events, stream, stream_error, api, metrics, started),
@@ -96,6 +104,8 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
             fin = await _collect(first, events, request)
         except ApiError as e:
             return err(api, e)
+        except Exception as e:
+            return err(api, internal_error(e))
         if fin is None:
             return Response(status_code=499)
         _count(metrics, api, fin, started)
@@ -114,6 +124,8 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
             return JSONResponse({"input_tokens": await service.count_tokens(rollout, req)})
         except ApiError as e:
             return err("anthropic_messages", e)
+        except Exception as e:
+            return err("anthropic_messages", internal_error(e))
 
     @app.get("/r/{rollout}/v1/models")
     @app.get("/v1/models")
@@ -142,6 +154,11 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
     return app
 
 
+def internal_error(exc: BaseException) -> ApiError:
+    log.error("call failed: %r", exc, exc_info=exc)
+    return ApiError(500, "internal", f"the proxy failed to serve the call: {type(exc).__name__}")
+
+
 def _route(handle: Callable, api: str) -> Callable:
     async def route(rollout: str, request: Request) -> Response:
         return await handle(api, rollout, request)
@@ -168,7 +185,9 @@ async def _collect(first: GenEvent, events: AsyncIterator[GenEvent], request: Re
         while not task.done():
             done, _ = await asyncio.wait({task}, timeout=0.5)
             if not done and await request.is_disconnected():
-                task.cancel()
+                task.cancel()  # the generator must be at rest before it can be closed
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
                 await events.aclose()
                 return None
         return task.result()
@@ -197,6 +216,10 @@ async def _sse(req: ChatRequest, first: GenEvent, events: AsyncIterator[GenEvent
     except ApiError as e:
         metrics.errors.labels(api, e.kind).inc()
         yield stream_error(e)
+    except Exception as exc:  # the headers are out: the error goes in the stream, not silence
+        e = internal_error(exc)
+        metrics.errors.labels(api, e.kind).inc()
+        yield stream_error(e)
     finally:
         await events.aclose()
     if fin:
@@ -207,7 +230,6 @@ def _count(metrics: Metrics, api: str, fin: Finished, started: float) -> None:
     metrics.latency.labels(api).observe(time.monotonic() - started)
     metrics.tokens.labels("prompt").inc(fin.prompt_tokens)
     metrics.tokens.labels("completion").inc(fin.completion_tokens)
-    metrics.calls.labels(api, fin.drift or "unknown", "true").inc()
 
 
 def require_admin(request: Request, token: str | None) -> None:

@@ -4,11 +4,15 @@ Streams SGLang ``/generate`` chunks (cumulative ``output_ids`` and logprobs) fro
 the router picks. If the cell fails (connection error, 5xx) or aborts the request (it is
 being drained or switched), the generation continues on another active cell from the
 same input ids plus the tokens already produced, so the caller sees one uninterrupted
-answer and the record holds each token's real logprob and weight version.
+answer and the record holds each token's real logprob and weight version. The failed
+attempt is aborted on its cell (best effort), so a cell that is only slow does not keep
+generating for nobody. A cell that refuses the request itself (a 4xx) ends the call:
+another cell would refuse it too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -26,6 +30,8 @@ class CellClient(Protocol):
                         return_logprob: bool = True, rid: str | None = None) -> AsyncIterator[dict]: ...
 
     async def abort(self, rid: str | None = None) -> dict: ...
+
+    async def health(self) -> bool: ...
 
 
 @dataclass
@@ -49,6 +55,18 @@ class Outcome:
 
 class CellFailure(RuntimeError):
     pass
+
+
+class CellRejected(RuntimeError):
+    """The cell refused the request (4xx): the caller's problem, not the cell's."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status, self.message = status, message
+
+
+_aborts: set[asyncio.Task] = set()
+ABORT_TIMEOUT_S = 5.0
 
 
 def _version(meta: dict[str, Any]) -> int:
@@ -101,12 +119,14 @@ async def generate(router: Router, clients: dict[str, CellClient], session: str,
             raise CellFailure(f"cell {cell} closed the stream without finishing")
         except (httpx.TransportError, CellFailure) as exc:
             _note_failure(router, cell, exc)
+            _abort_later(clients[cell], f"{rid}-{attempt}")
             tried.add(cell)
         except Exception as exc:
             status = getattr(exc, "status", 0)
-            if status and int(status) < 500:
-                raise  # the cell rejected the request itself: not a cell failure
+            if isinstance(status, int) and 400 <= status < 500:
+                raise CellRejected(status, str(getattr(exc, "message", exc))) from exc
             _note_failure(router, cell, exc)
+            _abort_later(clients[cell], f"{rid}-{attempt}")
             tried.add(cell)
         finally:
             router.end(cell)
@@ -121,3 +141,17 @@ def _note_failure(router: Router, cell: str, exc: BaseException) -> None:
     if c is not None and c.state.value == "active" and not isinstance(exc, CellFailure):
         router.mark_down(cell)
     log.warning("cell %s failed a generation (%s); continuing elsewhere", cell, exc)
+
+
+def _abort_later(client: CellClient, rid: str) -> None:
+    """Tell a failed cell to drop the attempt, without holding up the retry elsewhere."""
+
+    async def run() -> None:
+        try:
+            await asyncio.wait_for(client.abort(rid), ABORT_TIMEOUT_S)
+        except Exception as exc:  # the cell may be gone: nothing left to stop
+            log.info("abort of %s after a failure did not reach the cell: %r", rid, exc)
+
+    task = asyncio.get_running_loop().create_task(run())
+    _aborts.add(task)
+    task.add_done_callback(_aborts.discard)

@@ -15,6 +15,7 @@ import asyncio
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,6 +40,7 @@ class RolloutState:
     tito: Tito
     seq: int = 0  # newest CallRecorded stream sequence applied
     call_session: dict[str, str] = field(default_factory=dict)
+    logged: set[str] = field(default_factory=set)  # calls seen in the log by sync
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
@@ -73,6 +75,7 @@ class RolloutBook:
         self.stop_texts = stop_texts
         self.rollouts: dict[str, RolloutInfo] = {}
         self.states: dict[str, RolloutState] = {}
+        self.on_ended: list[Callable[[str], None]] = []  # told a rollout's id when it ends (routing forgets it)
 
     # -- rollouts ----------------------------------------------------------------------
 
@@ -88,6 +91,8 @@ class RolloutBook:
             if info is not None:
                 info.ended = True
             self.states.pop(ev.rollout_id, None)  # its history is in the log; free the memory
+            for listener in self.on_ended:
+                listener(ev.rollout_id)
 
     async def follow_rollouts(self, stop: asyncio.Event) -> None:
         """Keep the registry current (runs as a background task)."""
@@ -136,9 +141,11 @@ class RolloutBook:
         async for d in self.bus.read(Context.CALLS, start_seq=st.seq + 1, filter_subject=subject,
                                      until_seq=newest.seq):
             ev = d.event
-            if isinstance(ev, CallRecorded) and ev.call_id not in st.tito.calls:
-                await self._restore(st, ev)
-                loaded += 1
+            if isinstance(ev, CallRecorded):
+                if ev.call_id not in st.tito.calls:
+                    await self._restore(st, ev)
+                    loaded += 1
+                st.logged.add(ev.call_id)
             st.seq = max(st.seq, d.seq)
         return loaded
 

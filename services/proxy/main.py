@@ -62,10 +62,12 @@ async def proxy_main(ctx: ServiceContext) -> None:
     ctx.app.mount("/", create_app(service, admin_token=settings.admin_token, registry=ctx.registry))
     ctx.registry.register(RouterCollector(service.router))  # in-flight calls per cell, at scrape time
     follower = asyncio.create_task(service.book.follow_rollouts(ctx.stop))
+    watcher = asyncio.create_task(service.watch_cells(ctx.stop))  # cells marked down come back when healthy
     ctx.health.ok(cells=len(service.router.cells), model=str(renderer.folder))
     await ctx.stop.wait()
     await service.drain_background()
-    try:
-        await asyncio.wait_for(follower, 5)  # it sees stop within its idle tick
-    except asyncio.TimeoutError:
-        pass
+    for task in (follower, watcher):
+        try:
+            await asyncio.wait_for(task, 5)  # each sees stop within its tick
+        except asyncio.TimeoutError:
+            pass

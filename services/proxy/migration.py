@@ -92,7 +92,7 @@ async def evacuate(service: Any, cell: str, *, timeout_s: float = 30.0, migrate:
 
 async def _move_one(service: Any, session: str, cell: str, migrate: bool, mover: KvMover) -> MoveResult:
     router = service.router
-    router.sessions.pop(session, None)
+    router.unpin(session)
     target = router.pick(session)  # least-loaded active cell; pins the session there
     result = MoveResult(session, target, "reprefilled")
     ids = session_tokens(service, session) if migrate else None

@@ -18,9 +18,6 @@ class RouterCollector(Collector):
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         cells = list(self.router.cells.values())
-        pinned: dict[str, int] = {}
-        for cell in list(self.router.sessions.values()):
-            pinned[cell] = pinned.get(cell, 0) + 1
         in_flight = GaugeMetricFamily("gyre_proxy_in_flight", "calls in flight at each inference cell", labels=["cell"])
         capacity = GaugeMetricFamily("gyre_proxy_cell_capacity", "concurrent calls a cell takes", labels=["cell"])
         state = GaugeMetricFamily("gyre_proxy_cell_state", "1 for the cell's current state", labels=["cell", "state"])
@@ -29,7 +26,7 @@ class RouterCollector(Collector):
             in_flight.add_metric([c.name], c.in_flight)
             capacity.add_metric([c.name], c.capacity)
             state.add_metric([c.name, c.state.value], 1)
-            sessions.add_metric([c.name], pinned.get(c.name, 0))
+            sessions.add_metric([c.name], self.router.pinned(c.name))
         total = GaugeMetricFamily("gyre_proxy_queue_depth", "calls in flight over all cells")
         total.add_metric([], sum(c.in_flight for c in cells))
         yield from (in_flight, capacity, state, sessions, total)

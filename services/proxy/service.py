@@ -8,6 +8,7 @@ call (blobs first, then ``CallRecorded``) before the caller sees the end of the 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import logging
 import time
@@ -24,10 +25,10 @@ from .api.common import ApiError, ChatRequest, Finished, GenEvent, TextDelta, Th
 from .core.decode import IncrementalDecoder
 from .core.hints import request_kind
 from .core.messages import text_digest, tools_key
-from .core.routing import Router
+from .core.routing import CellState, Router
 from .core.tito import Plan, Renderer, TemplateError
-from .core.toolparse import StreamParser, parse_output
-from .generation import CellClient, CellFailure, Outcome, generate
+from .core.toolparse import StreamParser, parse_output, partial_tail
+from .generation import CellClient, CellFailure, CellRejected, Outcome, generate
 from .history import RolloutBook, RolloutState, encode_match_index, key_digest
 
 log = logging.getLogger(__name__)
@@ -73,7 +74,9 @@ class ProxyService:
         self.stop_token_ids = list(getattr(renderer, "stop_token_ids", []))
         self.max_context = config.max_context or int(getattr(renderer, "max_context", 32768))
         self.book = RolloutBook(config.run_id, bus, blobs, renderer, stop_texts)
+        self.book.on_ended.append(router.forget_rollout)  # an ended rollout's sessions pin no cell
         self.stats = CallStats()
+        self.on_recorded: list[Callable[[str, str, bool], None]] = []  # (api, drift, delivered), e.g. metrics
         self._background: set[asyncio.Task] = set()
 
     # -- cells -------------------------------------------------------------------------
@@ -83,6 +86,33 @@ class ProxyService:
             raise ValueError("this proxy was built without a cell client factory")
         self.clients[name] = self.client_factory(url)
         self.router.add_cell(name, capacity)
+
+    async def probe_cells(self, timeout_s: float = 5.0) -> list[str]:
+        """Bring back cells this proxy marked down after a failed call, once their health
+        check answers. A cell the scheduler drains (a role switch) is not down and stays
+        as the scheduler left it. Returns the cells reactivated."""
+        back = []
+        for name, cell in list(self.router.cells.items()):
+            client = self.clients.get(name)
+            if cell.state is not CellState.DOWN or client is None or not hasattr(client, "health"):
+                continue
+            try:
+                ok = await asyncio.wait_for(client.health(), timeout_s)
+            except Exception:
+                ok = False
+            if ok and cell.state is CellState.DOWN:
+                self.router.activate(name)
+                back.append(name)
+                log.info("cell %s answers its health check again: active", name)
+        return back
+
+    async def watch_cells(self, stop: asyncio.Event, every_s: float = 10.0) -> None:
+        """Probe down cells every ``every_s`` until ``stop`` (runs as a background task)."""
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), every_s)
+            except asyncio.TimeoutError:
+                await self.probe_cells()
 
     # -- models and auth ---------------------------------------------------------------
 
@@ -138,28 +168,45 @@ class ProxyService:
         req.max_tokens = max_new
         sampling = req.sampling_params(self.config.default_max_tokens, self.stop_token_ids)
         call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic())
-        finished = False
         try:
             async for ev in self._run(call, req, sampling):
                 if isinstance(ev, Finished):
-                    await self._record(st, call, req, hints, delivered=True)
-                    finished = True
+                    # shielded: a caller leaving now must not cut the append in half (the
+                    # event may be stored with its ack still on the way)
+                    await asyncio.shield(self._spawn(self._record(st, call, req, hints, delivered=True)))
                 yield ev
         except CellFailure as exc:
             raise ApiError(529, "overloaded", f"no inference cell could serve the call: {exc}") from exc
+        except CellRejected as exc:
+            raise ApiError(400, "invalid_request", f"the inference cell rejected the request: {exc.message}") from exc
         finally:
-            if not finished:  # the caller went away (or we failed): stop the cell, keep the record honest
+            if not call.committed:  # the caller went away (or we failed): stop the cell, keep the record honest
                 self._spawn(self._abandon(st, call, req, hints))
 
     async def _run(self, call: "_Call", req: ChatRequest, sampling: dict) -> AsyncIterator[GenEvent]:
         decoder = IncrementalDecoder(self.renderer.decode)
+        cutter = StopCutter(req.stop)
         parser = StreamParser(self.stop_texts)
         sent_calls = [0]
+        held = [""]  # trailing whitespace: shown only if more text follows (a reply's content is
+        # stripped around tool calls, so streamed and whole answers say the same)
 
-        def deltas(text: str, think: str) -> list[GenEvent]:
+        after_call = [False]  # no text yet since the last tool call: its leading whitespace goes
+
+        def deltas(text: str, think: str, final: bool = False) -> list[GenEvent]:
             out: list[GenEvent] = [ThinkingDelta(think)] if think else []
-            if text:
-                out.append(TextDelta(text))
+            text = held[0] + text
+            if after_call[0]:
+                text = text.lstrip()
+            body = text.rstrip()
+            held[0] = text[len(body):]
+            if final and not parser.tool_calls:
+                body, held[0] = body + held[0], ""
+            if body:
+                out.append(TextDelta(body))
+                after_call[0] = False
+            if len(parser.tool_calls) > sent_calls[0]:
+                held[0], after_call[0] = "", True
             for i in range(sent_calls[0], len(parser.tool_calls)):
                 out.append(ToolCallDone(parser.tool_calls[i], i))
             sent_calls[0] = len(parser.tool_calls)
@@ -170,19 +217,26 @@ class ProxyService:
             if call.first_token is None:
                 call.first_token = time.monotonic()
             call.add(piece.ids, piece.logprobs, piece.weight_version)
-            for ev in deltas(*parser.feed(decoder.push(piece.ids))):
+            for ev in deltas(*parser.feed(cutter.feed(decoder.push(piece.ids)))):
                 yield ev
-        for ev in deltas(*parser.finish()):
+        for ev in deltas(*parser.feed(cutter.finish())):
+            yield ev
+        for ev in deltas(*parser.finish(), final=True):
             yield ev
         # the record keeps what the full decode says (streamed deltas are for the caller's eyes)
-        call.parsed = parse_output(self.renderer.decode(call.output_ids), self.stop_texts)
+        call.parsed = self._parse(call, req)
         call.parsed.tool_calls = list(parser.tool_calls) or call.parsed.tool_calls
         out = call.outcome
         reason = "tool_calls" if call.parsed.tool_calls and out.finish_reason == "stop" else out.finish_reason
-        stop_seq = out.matched_stop if isinstance(out.matched_stop, str) else None
+        stop_seq = out.matched_stop if isinstance(out.matched_stop, str) else cutter.matched
         yield Finished(reason if not stop_seq else "stop_sequence", len(call.input_ids), len(call.output_ids),
                        out.cached_tokens, call.parsed.content, tuple(call.parsed.tool_calls), call.parsed.reasoning,
                        call.call_id, stop_seq, call.plan.drift.value)
+
+    def _parse(self, call: "_Call", req: ChatRequest):
+        """The reply as the caller sees it: cut before a matched stop sequence (the
+        recorded ids keep it: the model did generate it)."""
+        return parse_output(cut_at_stop(self.renderer.decode(call.output_ids), req.stop), self.stop_texts)
 
     # -- recording ---------------------------------------------------------------------
 
@@ -197,8 +251,10 @@ class ProxyService:
                       *, delivered: bool) -> None:
         """Blobs first, then the event, appended only if this replica has seen every call
         of the rollout before it (optimistic concurrency on the rollout's subject)."""
-        parsed = call.parsed or parse_output(self.renderer.decode(call.output_ids), self.stop_texts)
+        parsed = call.parsed or self._parse(call, req)
         async with st.lock:
+            if call.committed:
+                return
             boundaries = st.tito.record(call.call_id, call.plan, call.output_ids, parsed.as_msg(), req.tools,
                                         tools_key(req.tools), call.outcome.finish_reason == "stop")
             st.call_session[call.call_id] = call.session
@@ -209,24 +265,42 @@ class ProxyService:
                     call.call_id, boundaries,
                     call.plan.hashes[call.plan.matched_messages] if call.plan.parent_call_id else None)))
             ev = self._event(call, req, hints, digests, delivered)
-            for _ in range(5):
-                try:
-                    st.seq = await self.bus.publish(ev, expect_last_subject_seq=st.seq)
-                    break
-                except ConcurrencyConflict:
-                    await self.book.sync(st)  # another replica recorded a call of this rollout
-            else:
-                st.seq = await self.bus.publish(ev)
+            call.committed = True  # from here on the call is this event, whatever the ack says
+            await self._append(st, ev)
         self.stats.calls += 1
         self.stats.drift[call.plan.drift.value] = self.stats.drift.get(call.plan.drift.value, 0) + 1
         if not delivered:
             self.stats.undelivered += 1
+        for listener in self.on_recorded:
+            listener(req.api, call.plan.drift.value, delivered)
+
+    async def _append(self, st: RolloutState, ev: CallRecorded) -> None:
+        """Append with optimistic concurrency. The event id is fixed per call, so a retry
+        after a lost ack is dropped by JetStream's de-duplication instead of stored twice."""
+        lost: Exception | None = None
+        for attempt in range(8):
+            try:
+                if attempt < 5:
+                    st.seq = await self.bus.publish(ev, expect_last_subject_seq=st.seq)
+                else:
+                    st.seq = await self.bus.publish(ev)
+                return
+            except ConcurrencyConflict:
+                await self.book.sync(st)  # another replica recorded a call of this rollout
+                if ev.call_id in st.logged:
+                    return  # ... or our own append went through and its ack was lost
+            except (TimeoutError, ConnectionError) as exc:
+                lost = exc
+                log.warning("append of call %s: %r; retrying (de-duplicated by event id)", ev.call_id, exc)
+                await asyncio.sleep(0.05 * (attempt + 1))
+        raise lost or RuntimeError(f"could not append call {ev.call_id}")
 
     def _event(self, call: "_Call", req: ChatRequest, hints: CallHints, digests: list[str],
                delivered: bool) -> CallRecorded:
         new_d, out_d, lp_d, idx_d = digests
         now = time.monotonic()
         return CallRecorded(
+            event_id=call_event_id(self.config.run_id, call.call_id),
             run_id=self.config.run_id, call_id=call.call_id, rollout_id=call.rollout_id, session_id=call.session,
             api=req.api, parent_call_id=call.plan.parent_call_id, prefix_len=call.plan.prefix_len,
             new_input_digest=new_d, n_new_input_tokens=len(call.plan.new_ids), output_digest=out_d,
@@ -244,20 +318,75 @@ class ProxyService:
                 await self.clients[cell].abort(f"{call.call_id}-{len(call.outcome.cells) - 1}")
             except Exception as exc:  # the cell may be gone; nothing more to stop
                 log.info("abort of %s on %s failed: %r", call.call_id, cell, exc)
-        if call.output_ids:
+        if call.output_ids and not call.committed:
             try:
                 await self._record(st, call, req, hints, delivered=False)
             except Exception:
                 log.exception("could not record undelivered call %s", call.call_id)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(_log_failure)
+        return task
 
     async def drain_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def _log_failure(task: asyncio.Task) -> None:
+    """A background task's failure is logged, even when nobody awaits it any more."""
+    if not task.cancelled() and task.exception() is not None:
+        log.error("proxy background task failed: %r", task.exception(), exc_info=task.exception())
+
+
+def call_event_id(run_id: str, call_id: str) -> str:
+    """One event id per call: JetStream drops a second append of the same call."""
+    return hashlib.sha256(f"{run_id}:CallRecorded:{call_id}".encode()).hexdigest()[:32]
+
+
+class StopCutter:
+    """Cut streamed text before the first of the request's stop sequences.
+
+    The engine keeps a matched stop sequence in its output ids (``no_stop_trim``: the
+    record must hold every generated token), but both APIs leave it out of the content;
+    text that may be the start of one is held back until it is decided."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.matched: str | None = None
+        self._buf = ""
+
+    def feed(self, text: str) -> str:
+        if not self.stops:
+            return text
+        if self.matched is not None:
+            return ""
+        self._buf += text
+        cut = _first_stop(self._buf, self.stops)
+        if cut is not None:
+            i, self.matched = cut
+            out, self._buf = self._buf[:i], ""
+            return out
+        keep = max(partial_tail(self._buf, s) for s in self.stops)
+        out, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
+        return out
+
+    def finish(self) -> str:
+        out, self._buf = self._buf, ""
+        return out
+
+
+def _first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    found = [(i, s) for s in stops if (i := text.find(s)) >= 0]
+    return min(found) if found else None
+
+
+def cut_at_stop(text: str, stops: list[str]) -> str:
+    cut = _first_stop(text, [s for s in stops if s])
+    return text if cut is None else text[: cut[0]]
 
 
 @dataclass
@@ -274,6 +403,8 @@ class _Call:
     versions: list[int] = field(default_factory=list)
     outcome: Outcome = field(default_factory=Outcome)
     parsed: object | None = None
+    committed: bool = False  # its CallRecorded is issued: never record it again
+
 
     def add(self, ids: list[int], logprobs: list[float], version: int) -> None:
         self.output_ids.extend(ids)

@@ -8,7 +8,8 @@ real tokenizer. It records every ``input_ids`` it received, so tests can compare
 proxy recorded with what the engine saw. Faked: the model (replies are scripted), the
 logprobs (a fixed value per position), the KV cache (none). Options: ``split_tokens``
 (emit a reply as one token per character, so its text re-encodes to other ids), ``fail``
-(drop the connection after N tokens, once), ``delay_s`` per token.
+(drop the connection after N tokens, once), ``delay_s`` per token, ``healthy`` (what
+``GET /health`` answers).
 The real adapter is the embedded engine (``services/engine``) and SGLang itself.
 """
 
@@ -43,6 +44,7 @@ class ScriptedEngine:
     by_rid: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)  # rid -> (input, output)
     aborted: list[str] = field(default_factory=list)
     name: str = "cell"
+    healthy: bool = True  # what GET /health answers
 
     def _reply_ids(self, input_ids: list[int]) -> list[int]:
         script = self.replies.pop(0) if self.replies else self.default_reply
@@ -100,6 +102,10 @@ class ScriptedEngine:
                 yield "data: [DONE]\n\n"
 
             return StreamingResponse(chunks(), media_type="text/event-stream")
+
+        @app.get("/health")
+        async def health() -> Any:
+            return JSONResponse({}, status_code=200 if self.healthy else 503)
 
         @app.post("/abort_request")
         async def abort(request: Request) -> Any:

@@ -90,3 +90,42 @@ def test_matching_tokenizes_only_new_messages_even_at_long_contexts(renderer) ->
     assert per_turn[0] > 50_000  # the first call renders everything once
     assert max(per_turn[1:]) < 60  # then only each turn's new messages (+ the reply check)
     assert len(tito.input_ids(plan)) > 50_000
+
+
+def test_sessions_of_ended_rollouts_are_forgotten_and_cells_count_their_own() -> None:
+    r = Router()
+    r.add_cell("a", 8)
+    r.add_cell("b", 8)
+    for i in range(2000):
+        r.pick(f"rollout-{i}/call")
+    assert r.pinned("a") + r.pinned("b") == 2000 and len(r.sessions) == 2000
+    for i in range(1990):
+        assert r.forget_rollout(f"rollout-{i}") == 1
+    assert len(r.sessions) == 10 and r.pinned("a") + r.pinned("b") == 10
+    r.drain("a")
+    moving = r.sessions_on("a")
+    for s in moving:  # what an evacuation does: only live sessions are moved
+        r.unpin(s)
+        assert r.pick(s) == "b"
+    assert r.pinned("a") == 0 and r.pinned("b") == 10 and r.sessions_on("b") == sorted(r.sessions)
+    with pytest.raises(TypeError):
+        r.sessions["x"] = "a"  # type: ignore[index]  # read-only: the indexes stay in step
+    r.remove_cell("b")
+    assert not r.sessions and r.forget_rollout("rollout-1999") == 0
+
+
+def test_full_ids_of_a_long_uncached_chain_is_iterative() -> None:
+    import array
+
+    from services.proxy.core.tito import CallTokens, Tito
+
+    tito = Tito(renderer=None, cache_calls=4)  # type: ignore[arg-type]
+    parent, prefix = None, 0
+    for i in range(3000):  # deeper than Python's recursion limit, as a restarted proxy sees it
+        tito.restore(CallTokens(f"c{i}", parent, prefix, array.array("i", [i, -1]), array.array("i", [i, -2])), [])
+        prefix, parent = prefix + 4 if parent else 4, f"c{i}"
+    full = tito.full_ids("c2999")
+    assert len(full) == 12000 and list(full[-4:]) == [2999, -1, 2999, -2] and list(full[:4]) == [0, -1, 0, -2]
+    assert tito.full_ids("c1500").tolist() == full[: 1501 * 4].tolist()
+    tito.restore(CallTokens("fork", "c10", 6, array.array("i", [7]), array.array("i", [8])), [])  # mid-reply fork
+    assert tito.full_ids("fork").tolist() == full[:6].tolist() + [7, 8]

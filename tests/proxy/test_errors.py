@@ -3,12 +3,18 @@ nothing recorded for a refused call."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
 
 from libs.common.events import Context, RolloutFinished
 
+from ._fakes import Served
 from .conftest import ADMIN, RUN
+from .tito_check import recorded_calls
 
 OA = "/v1/chat/completions"
 AN = "/v1/messages"
@@ -70,6 +76,10 @@ async def test_auth_errors(proxy) -> None:
         (RS, {"model": "m", "input": [{"type": "mystery"}]}, 400, "not supported"),
         (RS, {"model": "m", "input": "x", "tools": [{"type": "function", "name": ""}]}, 400, "name"),
         (RS, {"model": "m", "input": "x", "previous_response_id": "resp_1"}, 400, "store: false"),
+        # wrong JSON types are refused before use, never a 500
+        (OA, oa_body(tools=5), 400, "'tools' must be an array"),
+        (OA, oa_body(messages=[{"role": "assistant", "content": "x", "tool_calls": 5}]), 400, "tool_calls"),
+        (OA, oa_body(messages=[{"role": "tool", "tool_call_id": "x", "content": "r", "name": 5}]), 400, "name"),
     ],
 )
 async def test_openai_bad_input(proxy, path, body, status, word) -> None:
@@ -88,6 +98,7 @@ async def test_openai_bad_input(proxy, path, body, status, word) -> None:
         (an_body(system=[{"type": "image"}]), "system"),
         (an_body(tools=[{"type": "web_search_20250305", "name": "web_search"}]), "server tool"),
         (an_body(messages=[{"role": "user", "content": [{"type": "bogus"}]}]), "unsupported content block"),
+        (an_body(tools=5), "'tools' must be an array"),
     ],
 )
 async def test_anthropic_bad_input(proxy, body, word) -> None:
@@ -147,3 +158,76 @@ async def test_no_cell_is_an_overloaded_error(proxy) -> None:
         is_anthropic_error(r, 529, "overloaded_error", "cell")
         r = await c.post(base + OA, headers=KEY, json=oa_body())
         assert r.status_code == 529 and r.json()["error"]["code"] == "overloaded"
+
+
+def _only_cell(proxy, app) -> None:
+    """Serve every call from ``app`` (a stand-in engine) instead of the scripted cells."""
+    served = Served(app)
+    proxy.served.append(served)
+    for name in list(proxy.service.router.cells):
+        proxy.service.router.remove_cell(name)
+    proxy.service.add_cell("x", served.url, capacity=4)
+
+
+async def test_a_cell_refusing_the_request_is_a_400_in_the_callers_shape(proxy) -> None:
+    app = FastAPI()
+
+    @app.post("/generate")
+    async def generate(request: Request) -> Any:
+        return JSONResponse({"error": {"message": "Input length exceeds the maximum allowed length"}}, status_code=400)
+
+    _only_cell(proxy, app)
+    base = await proxy.rollout("e-8")
+    async with httpx.AsyncClient(timeout=20) as c:
+        r = await c.post(base + AN, headers={"x-api-key": "k-secret"}, json=an_body())
+        is_anthropic_error(r, 400, "invalid_request_error", "maximum allowed length")
+        r = await c.post(base + OA, headers=KEY, json=oa_body(stream=True))  # before any token: a plain error
+        is_openai_error(r, 400, "maximum allowed length")
+    assert proxy.service.router.cells["x"].state.value == "active"  # the cell is fine: not marked down
+    await proxy.service.drain_background()
+    assert not await recorded_calls(proxy.bus, proxy.blobs, RUN)  # no tokens: nothing to record
+
+
+async def test_an_internal_failure_is_an_error_in_the_callers_shape_streamed_or_not(proxy, monkeypatch) -> None:
+    async def broken(*args, **kwargs):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(proxy.service, "_record", broken)
+    base = await proxy.rollout("e-9")
+    async with httpx.AsyncClient(timeout=20) as c:
+        r = await c.post(base + AN, headers={"x-api-key": "k-secret"}, json=an_body())
+        is_anthropic_error(r, 500, "api_error", "failed")
+        r = await c.post(base + OA, headers=KEY, json=oa_body())
+        is_openai_error(r, 500, "failed")
+        r = await c.post(base + AN, headers={"x-api-key": "k-secret"}, json=an_body(stream=True))
+        assert r.status_code == 200  # the headers were out before the failure
+        assert "event: error" in r.text and '"api_error"' in r.text and "message_stop" not in r.text
+        r = await c.post(base + RS, headers=KEY, json={"model": "m", "input": "hi", "stream": True})
+        assert "event: error" in r.text and "response.completed" not in r.text
+
+
+async def test_a_template_refusing_the_conversation_is_a_400_on_every_path(proxy, renderer) -> None:
+    """Fresh render, continuation (message texts) and the reply check all go through the
+    renderer, which turns jinja's errors into the proxy's TemplateError."""
+    original = renderer.tokenizer.chat_template
+    renderer.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{% endfor %}" + original)
+    try:
+        base = await proxy.rollout("e-10")
+        h = {"x-api-key": "k-secret"}
+        async with httpx.AsyncClient(timeout=20) as c:
+            late_system = [{"role": "user", "content": "a"}, {"role": "system", "content": "x"},
+                           {"role": "user", "content": "b"}]
+            r = await c.post(base + AN, headers=h, json=an_body(messages=late_system))
+            is_anthropic_error(r, 400, "invalid_request_error", "System message must be at the beginning")
+            r = await c.post(base + AN, headers=h, json=an_body(messages=[{"role": "user", "content": "a"}]))
+            reply = r.json()["content"][0]["text"]
+            continued = [{"role": "user", "content": "a"}, {"role": "assistant", "content": reply},
+                         {"role": "system", "content": "x"}, {"role": "user", "content": "b"}]
+            r = await c.post(base + AN, headers=h, json=an_body(messages=continued))
+            is_anthropic_error(r, 400, "invalid_request_error", "System message must be at the beginning")
+            r = await c.post(base + "/v1/messages/count_tokens", headers=h, json=an_body(messages=continued))
+            is_anthropic_error(r, 400, "invalid_request_error", "System message must be at the beginning")
+    finally:
+        renderer.tokenizer.chat_template = original

@@ -76,7 +76,8 @@ async def test_a_cell_dying_mid_call_is_invisible_to_the_agent(proxy) -> None:
         e.default_reply = "a fairly long answer that the first cell will not finish"
         e.fail_after_tokens = 3
     proxy.engines["cell-b"].fail_after_tokens = None
-    proxy.service.router.sessions.clear()
+    for session in list(proxy.service.router.sessions):
+        proxy.service.router.unpin(session)
     proxy.service.router.cells["cell-b"].in_flight = 1  # steer the new session to cell-a
     async with httpx.AsyncClient(timeout=30) as c:
         r = await c.post(base + "/v1/chat/completions", headers=KEY,
@@ -95,6 +96,19 @@ async def test_a_cell_dying_mid_call_is_invisible_to_the_agent(proxy) -> None:
     assert b_in == a_in + a_out[:3]  # the second cell continued from the tokens already produced
     assert rec.input_ids == a_in and rec.output_ids == a_out[:3] + b_out
     assert proxy.service.router.cells["cell-a"].state.value == "down"
+    for _ in range(50):  # the failed attempt is aborted on its cell, in the background
+        if proxy.engines["cell-a"].aborted:
+            break
+        await asyncio.sleep(0.05)
+    assert proxy.engines["cell-a"].aborted == [f"{rec.event.call_id}-0"]
+    # the health probe brings back a cell the proxy marked down, once it answers again
+    proxy.engines["cell-a"].healthy = False
+    assert await proxy.service.probe_cells() == []
+    proxy.engines["cell-a"].healthy = True
+    proxy.service.router.drain("cell-b")  # drained by the scheduler: the probe leaves it so
+    assert await proxy.service.probe_cells() == ["cell-a"]
+    assert proxy.service.router.cells["cell-a"].state.value == "active"
+    assert proxy.service.router.cells["cell-b"].state.value == "draining"
 
 
 async def test_client_leaving_mid_stream_aborts_and_records_undelivered(proxy) -> None:
@@ -136,3 +150,24 @@ async def test_session_headers_reach_the_recorded_calls_hints(proxy) -> None:
     assert len(recorded) == 1
     hints = recorded[0].hints
     assert (hints.role, hints.agent_id, hints.parent_agent_id) == ("subagent", "agent-7", "agent-1")
+
+
+async def test_a_rollouts_sessions_are_forgotten_when_it_ends(proxy) -> None:
+    from libs.common.events import RolloutFinished
+
+    base = await proxy.rollout("end-1")
+    async with httpx.AsyncClient(timeout=30) as c:
+        await chat(c, base, [{"role": "user", "content": "one"}])
+        await chat(c, base, [{"role": "user", "content": "another conversation"}])
+    router = proxy.service.router
+    assert len([s for s in router.sessions if s.startswith("end-1/")]) == 2
+    stop = asyncio.Event()
+    follower = asyncio.create_task(proxy.service.book.follow_rollouts(stop))  # as main.py runs it
+    await proxy.bus.publish(RolloutFinished(run_id=RUN, rollout_id="end-1", wall_time_s=1.0))
+    for _ in range(100):
+        if not router.sessions:
+            break
+        await asyncio.sleep(0.05)
+    stop.set()
+    await asyncio.wait_for(follower, 5)
+    assert not router.sessions and router.pinned("cell-a") == router.pinned("cell-b") == 0

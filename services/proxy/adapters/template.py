@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.messages import Msg, ToolSpec
+from ..core.tito import TemplateError
 
 
 class HFRenderer:
@@ -30,10 +31,17 @@ class HFRenderer:
         self.max_context = int(getattr(self.tokenizer, "model_max_length", 32768) or 32768)
 
     def render(self, msgs: list[Msg], tools: list[ToolSpec], *, add_generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(
-            [m.template_dict() for m in msgs], tools=[t.template_dict() for t in tools] or None,
-            tokenize=False, add_generation_prompt=add_generation_prompt,
-        )
+        """The chat template's text; a template that rejects the conversation (jinja's
+        ``raise_exception``, a bad field) raises ``TemplateError``, which callers answer with a 400."""
+        try:
+            return self.tokenizer.apply_chat_template(
+                [m.template_dict() for m in msgs], tools=[t.template_dict() for t in tools] or None,
+                tokenize=False, add_generation_prompt=add_generation_prompt,
+            )
+        except TemplateError:
+            raise
+        except Exception as exc:  # jinja raises many types for templates that reject input
+            raise TemplateError(f"chat template failed: {exc}") from exc
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False)

@@ -40,7 +40,7 @@ def parse(body: Any, *, count_only: bool = False) -> ChatRequest:
     for i, m in enumerate(raw):
         msgs.extend(_message(m, f"messages.{i}"))
     tools = []
-    for i, t in enumerate(body.get("tools") or []):
+    for i, t in enumerate(expect(body.get("tools") or [], list, "tools")):
         p = f"tools.{i}"
         t = expect(t, dict, p)
         ttype = t.get("type")

@@ -34,7 +34,7 @@ def parse(body: Any) -> ChatRequest:
         raise bad_request("'messages' must not be empty", "messages")
     msgs = [_message(m, f"messages[{i}]") for i, m in enumerate(raw_msgs)]
     tools = []
-    for i, t in enumerate(body.get("tools") or []):
+    for i, t in enumerate(expect(body.get("tools") or [], list, "tools")):
         p = f"tools[{i}]"
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(t.get("function"), dict):
             raise bad_request(f"'{p}' must be {{'type': 'function', 'function': {{...}}}}", p)
@@ -65,9 +65,12 @@ def _message(m: Any, p: str) -> Msg:
         tcid = m.get("tool_call_id")
         if not isinstance(tcid, str):
             raise bad_request(f"'{p}.tool_call_id' is required for tool messages", p)
-        return Msg("tool", text_of(m.get("content"), f"{p}.content"), tool_call_id=tcid, name=m.get("name"))
+        name = m.get("name")
+        if name is not None:
+            expect(name, str, f"{p}.name")
+        return Msg("tool", text_of(m.get("content"), f"{p}.content"), tool_call_id=tcid, name=name)
     calls: list[ToolCall] = []
-    for j, c in enumerate(m.get("tool_calls") or []):
+    for j, c in enumerate(expect(m.get("tool_calls") or [], list, f"{p}.tool_calls")):
         q = f"{p}.tool_calls[{j}]"
         if not isinstance(c, dict) or not isinstance(c.get("function"), dict):
             raise bad_request(f"'{q}' must have a 'function' object", q)

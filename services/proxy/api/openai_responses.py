@@ -12,7 +12,7 @@ from typing import Any
 from ..core.messages import Msg, ToolCall
 from . import openai_chat
 from .common import (
-    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ToolCallDone, bad_request, expect, opt_int,
+    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect, opt_int,
     opt_number, parse_arguments, text_of, tool_spec,
 )
 
@@ -93,8 +93,7 @@ def _item(item: Any, p: str, msgs: list[Msg]) -> None:
 def _output(fin: Finished) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if fin.reasoning:
-        out.append({"type": "reasoning", "id": f"rs_{fin.call_id}", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": fin.reasoning}]})
+        out.append(_reasoning_item(f"rs_{fin.call_id}", fin.reasoning))
     if fin.content or not fin.tool_calls:
         out.append(_message_item(fin.call_id, fin.content))
     for c in fin.tool_calls:
@@ -127,6 +126,8 @@ def response(req: ChatRequest, fin: Finished, rid: str | None = None) -> dict[st
 
 
 async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
+    """Items in the order the model wrote them (thinking, text, calls, text after a call in
+    an item of its own); ``response.completed`` lists exactly the items streamed."""
     rid = f"resp_{uuid.uuid4().hex[:24]}"
     seq = 0
 
@@ -139,26 +140,61 @@ async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIter
             "model": req.model, "output": []}
     yield ev("response.created", {"response": base})
     yield ev("response.in_progress", {"response": base})
-    text_index: int | None = None
-    n_items = 0
-    text = ""
+    items: list[dict[str, Any]] = []  # finished items, at their output_index
+    open_item: dict[str, Any] | None = None  # {"kind", "index", "id", "text"} of the item being streamed
+
+    def close() -> list[str]:
+        nonlocal open_item
+        o, open_item = open_item, None
+        if o is None:
+            return []
+        if o["kind"] == "reasoning":
+            item = _reasoning_item(o["id"], o["text"])
+            out = [ev("response.reasoning_text.done", {"item_id": o["id"], "output_index": o["index"],
+                                                       "content_index": 0, "text": o["text"]})]
+        else:
+            item = _message_item("", o["text"]) | {"id": o["id"]}
+            part = {"type": "output_text", "text": o["text"], "annotations": []}
+            out = [ev("response.output_text.done", {"item_id": o["id"], "output_index": o["index"],
+                                                    "content_index": 0, "text": o["text"]}),
+                   ev("response.content_part.done", {"item_id": o["id"], "output_index": o["index"],
+                                                     "content_index": 0, "part": part})]
+        items.append(item)
+        return out + [ev("response.output_item.done", {"output_index": o["index"], "item": item})]
+
+    def open_(kind: str) -> list[str]:
+        nonlocal open_item
+        out = close()
+        index = len(items)
+        prefix = "rs" if kind == "reasoning" else "msg"
+        item_id = f"{prefix}_{rid}" if index == 0 or kind == "reasoning" else f"{prefix}_{rid}_{index}"
+        open_item = {"kind": kind, "index": index, "id": item_id, "text": ""}
+        if kind == "reasoning":
+            return out + [ev("response.output_item.added", {"output_index": index,
+                                                            "item": _reasoning_item(item_id, "") | {"content": []}})]
+        return out + [
+            ev("response.output_item.added", {"output_index": index,
+                                              "item": _message_item("", "", "in_progress") | {"id": item_id,
+                                                                                              "content": []}}),
+            ev("response.content_part.added", {"item_id": item_id, "output_index": index, "content_index": 0,
+                                               "part": {"type": "output_text", "text": "", "annotations": []}}),
+        ]
+
     async for e in events:
-        if isinstance(e, TextDelta) and e.text:
-            if text_index is None:
-                text_index, n_items = n_items, n_items + 1
-                yield ev("response.output_item.added", {"output_index": text_index,
-                                                         "item": _message_item(rid, "", "in_progress") | {"content": []}})
-                yield ev("response.content_part.added", {"item_id": f"msg_{rid}", "output_index": text_index,
-                                                          "content_index": 0,
-                                                          "part": {"type": "output_text", "text": "", "annotations": []}})
-            text += e.text
-            yield ev("response.output_text.delta", {"item_id": f"msg_{rid}", "output_index": text_index,
-                                                     "content_index": 0, "delta": e.text})
+        if isinstance(e, (ThinkingDelta, TextDelta)) and e.text:
+            kind = "reasoning" if isinstance(e, ThinkingDelta) else "text"
+            if open_item is None or open_item["kind"] != kind:
+                for s in open_(kind):
+                    yield s
+            assert open_item is not None
+            open_item["text"] += e.text
+            delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+            yield ev(delta, {"item_id": open_item["id"], "output_index": open_item["index"], "content_index": 0,
+                             "delta": e.text})
         elif isinstance(e, ToolCallDone):
-            for s in _close_text(ev, rid, text_index, text):
+            for s in close():
                 yield s
-            text_index = None if text_index is None else -1
-            idx, n_items = n_items, n_items + 1
+            idx = len(items)
             item = _call_item(e.call)
             yield ev("response.output_item.added", {"output_index": idx, "item": item | {"arguments": "",
                                                                                           "status": "in_progress"}})
@@ -167,26 +203,21 @@ async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIter
             yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
                                                                 "arguments": item["arguments"]})
             yield ev("response.output_item.done", {"output_index": idx, "item": item})
+            items.append(item)
         elif isinstance(e, Finished):
-            if text_index is not None and text_index >= 0:
-                for s in _close_text(ev, rid, text_index, text):
+            if not items and (open_item is None or open_item["kind"] == "reasoning") and not e.tool_calls:
+                for s in open_("text"):  # an empty answer is still one (empty) message
                     yield s
+            for s in close():
+                yield s
             final = response(req, e, rid)
+            final["output"] = items
             yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed",
                      {"response": final})
 
 
-def _close_text(ev, rid: str, index: int | None, text: str) -> list[str]:
-    if index is None or index < 0:
-        return []
-    part = {"type": "output_text", "text": text, "annotations": []}
-    return [
-        ev("response.output_text.done", {"item_id": f"msg_{rid}", "output_index": index, "content_index": 0,
-                                         "text": text}),
-        ev("response.content_part.done", {"item_id": f"msg_{rid}", "output_index": index, "content_index": 0,
-                                          "part": part}),
-        ev("response.output_item.done", {"output_index": index, "item": _message_item(rid, text)}),
-    ]
+def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
 def stream_error(err: ApiError) -> str:

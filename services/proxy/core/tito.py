@@ -116,17 +116,29 @@ class Tito:
     # -- token sequences ---------------------------------------------------------------
 
     def full_ids(self, call_id: str) -> array.array:
-        """Input ids followed by output ids of a recorded call."""
-        cached = self._full_cache.get(call_id)
-        if cached is not None:
-            self._full_cache.move_to_end(call_id)
-            return cached
-        c = self.calls[call_id]
-        seq = array.array("i")
-        if c.parent_call_id is not None:
-            seq.extend(self.full_ids(c.parent_call_id)[: c.prefix_len])
-        seq.extend(c.new_ids)
-        seq.extend(c.output_ids)
+        """Input ids followed by output ids of a recorded call.
+
+        Walks up the parent chain to the nearest cached call (iteratively: a rollout may
+        chain thousands of calls), then builds the sequences back down."""
+        chain: list[CallTokens] = []
+        cid: str | None = call_id
+        base = array.array("i")
+        while cid is not None:
+            cached = self._full_cache.get(cid)
+            if cached is not None:
+                self._full_cache.move_to_end(cid)
+                base = cached
+                break
+            c = self.calls[cid]
+            chain.append(c)
+            cid = c.parent_call_id
+        if not chain:
+            return base
+        seq = array.array("i", base)  # a copy: cached sequences are shared
+        for c in reversed(chain):  # each call's prefix is a prefix of its parent's sequence
+            del seq[c.prefix_len if c.parent_call_id is not None else 0:]
+            seq.extend(c.new_ids)
+            seq.extend(c.output_ids)
         self._full_cache[call_id] = seq
         while len(self._full_cache) > self._cache_calls:
             self._full_cache.popitem(last=False)
@@ -218,6 +230,8 @@ class Tito:
         try:
             body = self.renderer.render(msgs, tools, add_generation_prompt=False)
             whole = self.renderer.render(msgs, tools, add_generation_prompt=True)
+        except TemplateError:
+            raise
         except Exception as exc:  # jinja raises many types for templates that reject input
             raise TemplateError(f"chat template failed: {exc}") from exc
         ids = self.renderer.encode(body)
@@ -242,8 +256,12 @@ class Tito:
                 h = plan.hashes[plan.matched_messages + j + 1]
                 added.append((h, Boundary(call_id, plan.prefix_len + end, "input")))
         reply_hash = extend_hash(plan.hashes[n], reply)
-        glue, drift = self._reply_check(output_ids, reply, tools, tools_key, finish_stop)
-        added.append((reply_hash, Boundary(call_id, plan.input_len + len(output_ids), "reply", glue, drift)))
+        try:
+            glue, drift = self._reply_check(output_ids, reply, tools, tools_key, finish_stop)
+        except TemplateError:  # the template cannot render this reply: a next turn forks instead
+            pass
+        else:
+            added.append((reply_hash, Boundary(call_id, plan.input_len + len(output_ids), "reply", glue, drift)))
         for h, b in added:
             self.boundaries[h] = b
         if plan.parent_call_id is not None:

@@ -85,7 +85,7 @@ class StreamParser:
             if self._state == "think":
                 i = self._buf.find(THINK_CLOSE)
                 if i < 0:
-                    keep = _partial_tail(self._buf, THINK_CLOSE)
+                    keep = partial_tail(self._buf, THINK_CLOSE)
                     chunk, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
                     self.reasoning = (self.reasoning or "") + chunk
                     return out_text, out_think + chunk
@@ -98,7 +98,7 @@ class StreamParser:
             if self._state == "text":
                 i = self._buf.find(CALL_OPEN)
                 if i < 0:
-                    keep = max([_partial_tail(self._buf, CALL_OPEN)] + [_held(self._buf, s) for s in self.stop_texts])
+                    keep = max([partial_tail(self._buf, CALL_OPEN)] + [_held(self._buf, s) for s in self.stop_texts])
                     chunk, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
                     self.content += chunk
                     return out_text + chunk, out_think
@@ -150,10 +150,10 @@ class StreamParser:
 
 def _held(buf: str, stop: str) -> int:
     """Characters to hold back at the end of ``buf``: a whole stop text, or its start."""
-    return len(stop) if buf.endswith(stop) else _partial_tail(buf, stop)
+    return len(stop) if buf.endswith(stop) else partial_tail(buf, stop)
 
 
-def _partial_tail(buf: str, tag: str) -> int:
+def partial_tail(buf: str, tag: str) -> int:
     """Length of the longest suffix of ``buf`` that is a proper prefix of ``tag``."""
     for n in range(min(len(tag) - 1, len(buf)), 0, -1):
         if buf.endswith(tag[:n]):
