@@ -48,6 +48,7 @@ class CellAgent:
         # left to get there, retried by keep_registered; None while all is well
         self.broken: str | None = None
         self._repair: tuple[Any, ...] = ()
+        self.unsent: list[Any] = []  # switch outcomes the bus did not take yet
 
     async def register(self) -> None:
         prepare = getattr(self.seat, "prepare", None)
@@ -70,6 +71,7 @@ class CellAgent:
                 pass
             if self._lock.locked():
                 continue
+            await self._publish_unsent()
             if self.broken is not None:
                 await self._try_repair()
                 continue
@@ -95,6 +97,7 @@ class CellAgent:
                 self.last = rec
                 return rec
             announced = phases[0]  # the scheduler's request entered the first phase already
+            completed: list[str] = []
             for phase in phases:
                 start = time.monotonic()
                 try:
@@ -109,11 +112,12 @@ class CellAgent:
                     # whose announcement failed never started)
                     rec.failed_phase, rec.reason = announced, repr(exc)
                     log.error("cell %s: %s failed after %.2fs: %r", self.name, phase, rec.timings[phase], exc)
-                    problem = await self._roll_back(rec)
+                    problem = await self._roll_back(rec, completed)
                     if problem is not None:
                         rec.reason += f"; rollback to {rec.role_now} failed, the cell is not usable: {problem}"
                     break
                 rec.timings[phase] = time.monotonic() - start
+                completed.append(phase)
                 log.info("cell %s: %s done in %.2fs", self.name, phase, rec.timings[phase])
             self.role = rec.role_now
             if self.on_role is not None:
@@ -140,7 +144,7 @@ class CellAgent:
             await self.engine.resume()
             log.info("cell %s: engine memory resumed", self.name)
             await asyncio.wait_for(self._catch_up_weights(), CATCH_UP_TIMEOUT_S)
-            await self.proxy.activate(self.name)
+            await self._serve()
 
     async def _catch_up_weights(self) -> None:
         """Weights published while this cell trained: load the newest before serving."""
@@ -162,21 +166,25 @@ class CellAgent:
         except Exception:  # released engines may not answer model_info: the seat pulls the newest
             return 0
 
-    async def _roll_back(self, rec: SwitchRecord) -> str | None:
+    async def _roll_back(self, rec: SwitchRecord, completed: list[str]) -> str | None:
         """Back to the record's safe role. From inference: leave the seat, resume, load the
-        newest weights, serve. From training, when resuming failed after the seat had left:
-        release the engine's memory again and re-join the seat, so the cell trains as its
-        role says. Stops at the first step that fails (serving from an engine that did not
-        come back would fail agents' calls) and returns why; ``keep_registered`` retries the
-        steps left."""
+        newest weights, serve. From training, once the seat has left (whatever failed
+        after: resuming, or announcing it): release the engine's memory again and re-join
+        the seat, so the cell trains as its role says. Stops at the first step that fails
+        (serving from an engine that did not come back would fail agents' calls) and
+        returns why; ``keep_registered`` retries the steps left."""
         if rec.from_role == "inference" and rec.role_now == "inference":
-            steps: tuple[Any, ...] = (self.seat.leave, self.engine.resume, self._catch_up_weights,
-                                      lambda: self.proxy.activate(self.name))
-        elif rec.from_role == "training" and rec.failed_phase == "resuming":
+            steps: tuple[Any, ...] = (self.seat.leave, self.engine.resume, self._catch_up_weights, self._serve)
+        elif rec.from_role == "training" and "leaving" in completed:
             steps = (self.engine.release, self._rejoin)
         else:
             return None
         return await self._run_steps(steps)
+
+    async def _serve(self) -> None:
+        """Routable again: ``add`` re-activates a known cell and registers it with a proxy
+        that restarted meanwhile (``activate`` would fail there)."""
+        await self.proxy.add(self.name, self.engine_url, self.capacity)
 
     async def _rejoin(self) -> None:
         await self.seat.join(await self._weight_version_safe())
@@ -192,6 +200,15 @@ class CellAgent:
                 return repr(exc)
         self.broken, self._repair = None, ()
         return None
+
+    async def _publish_unsent(self) -> None:
+        while self.unsent:
+            try:
+                await self.bus.publish(self.unsent[0])
+            except Exception as exc:
+                log.warning("cell %s: %s still not published: %r", self.name, self.unsent[0].TYPE, exc)
+                return
+            self.unsent.pop(0)
 
     async def _try_repair(self) -> None:
         """Retries the rollback steps left after one failed (keep_registered's rounds)."""
@@ -229,7 +246,9 @@ class CellAgent:
             except Exception as exc:
                 log.error("cell %s: could not publish %s (%r); again in %.1fs", self.name, ev.TYPE, exc, delay)
                 await asyncio.sleep(delay)
-        await self.bus.publish(ev)  # the last try raises to the caller
+        # keep_registered publishes it again until it goes (the same event id: a copy that
+        # was stored after all is dropped by JetStream's de-duplication)
+        self.unsent.append(ev)
 
     # -- command channel -----------------------------------------------------------------
 

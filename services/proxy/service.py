@@ -266,7 +266,15 @@ class ProxyService:
                     call.plan.hashes[call.plan.matched_messages] if call.plan.parent_call_id else None)))
             ev = self._event(call, req, hints, digests, delivered)
             call.committed = True  # from here on the call is this event, whatever the ack says
-            await self._append(st, ev)
+            try:
+                await self._append(st, ev)
+            except BaseException:
+                # Not in the log (or not known to be): this replica's history of the rollout
+                # names the call, so later calls could take it as their parent. Forget the
+                # history; the rollout's next call rebuilds it from the log.
+                if self.book.states.get(st.rollout_id) is st:
+                    del self.book.states[st.rollout_id]
+                raise
         self.stats.calls += 1
         self.stats.drift[call.plan.drift.value] = self.stats.drift.get(call.plan.drift.value, 0) + 1
         if not delivered:
@@ -278,7 +286,7 @@ class ProxyService:
         """Append with optimistic concurrency. The event id is fixed per call, so a retry
         after a lost ack is dropped by JetStream's de-duplication instead of stored twice."""
         lost: Exception | None = None
-        for attempt in range(8):
+        for attempt in range(APPEND_TRIES):
             try:
                 if attempt < 5:
                     st.seq = await self.bus.publish(ev, expect_last_subject_seq=st.seq)
@@ -286,13 +294,19 @@ class ProxyService:
                     st.seq = await self.bus.publish(ev)
                 return
             except ConcurrencyConflict:
-                await self.book.sync(st)  # another replica recorded a call of this rollout
+                try:
+                    await self.book.sync(st)  # another replica recorded a call of this rollout
+                except Exception as exc:
+                    lost = exc
+                    continue
                 if ev.call_id in st.logged:
                     return  # ... or our own append went through and its ack was lost
-            except (TimeoutError, ConnectionError) as exc:
+            except Exception as exc:  # a lost ack, a reconnecting or briefly absent server
                 lost = exc
-                log.warning("append of call %s: %r; retrying (de-duplicated by event id)", ev.call_id, exc)
-                await asyncio.sleep(0.05 * (attempt + 1))
+                delay = min(2.0, APPEND_BACKOFF_S * 2**attempt)
+                log.warning("append of call %s: %r; again in %.1fs (de-duplicated by event id)", ev.call_id, exc,
+                            delay)
+                await asyncio.sleep(delay)
         raise lost or RuntimeError(f"could not append call {ev.call_id}")
 
     def _event(self, call: "_Call", req: ChatRequest, hints: CallHints, digests: list[str],
@@ -334,6 +348,10 @@ class ProxyService:
     async def drain_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+APPEND_TRIES = 8  # with APPEND_BACKOFF_S doubling (at most 2 s): about 9 s, enough for a NATS reconnect
+APPEND_BACKOFF_S = 0.1
 
 
 def _log_failure(task: asyncio.Task) -> None:

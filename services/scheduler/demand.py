@@ -23,6 +23,7 @@ class Demand:
     applied_steps: set[int] = field(default_factory=set)
     step_groups: dict[int, set[str]] = field(default_factory=dict)  # step -> its training groups started
     queued_groups: set[str] = field(default_factory=set)  # groups with micro-steps queued
+    groups_per_step: int | None = None  # when known: a step has this many training groups
 
     def apply(self, ev: Event) -> None:
         if isinstance(ev, RolloutStarted):
@@ -55,10 +56,17 @@ class Demand:
     def update_pending(self) -> bool:
         """A step's whole batch is trained: every group started for it is queued in full
         (its ``GroupQueued`` read, which follows its micro-steps) and all are done.
-        Steps whose rollouts were never seen (a log cut short) count what was queued."""
+        With ``groups_per_step`` known, that many groups must have started first (the runner
+        may start a step's groups over time); without it, steps whose rollouts were never
+        seen (a log cut short) count what was queued."""
         steps = {s for s in self.queued.values() if s not in self.applied_steps}
-        return any(self.step_groups.get(step, set()) <= self.queued_groups
-                   and all(m in self.done for m, s in self.queued.items() if s == step) for step in steps)
+        return any(self._all_groups_in(step) and all(m in self.done for m, s in self.queued.items() if s == step)
+                   for step in steps)
+
+    def _all_groups_in(self, step: int) -> bool:
+        groups = self.step_groups.get(step, set())
+        started = self.groups_per_step is None or len(groups) >= self.groups_per_step
+        return started and groups <= self.queued_groups
 
     @property
     def busy_trainers(self) -> frozenset[str]:

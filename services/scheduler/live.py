@@ -48,12 +48,13 @@ SendSwitch = Callable[[str, str, str], Awaitable[dict[str, Any]]]  # cell, to_ro
 
 class LiveScheduler:
     def __init__(self, *, run_id: str, bus: EventBus, policy: Any, proxy_stats: ProxyStats, send_switch: SendSwitch,
-                 tick_s: float = 2.0, clock: Callable[[], float] = time.time) -> None:
+                 tick_s: float = 2.0, clock: Callable[[], float] = time.time,
+                 groups_per_step: int | None = None) -> None:
         self.run_id, self.bus, self.policy = run_id, bus, policy
         self.proxy_stats, self.send_switch = proxy_stats, send_switch
         self.tick_s, self.clock = tick_s, clock
         self.fold = CellsFold()  # the state, and each cell's timeline (what a replay must rebuild)
-        self.demand = Demand()
+        self.demand = Demand(groups_per_step=groups_per_step)
         self._to_send: dict[str, tuple[str, str]] = {}  # SwitchRequested id -> (cell, role), until read back
         self._read_back: dict[str, bool] = {}  # of those: id -> accepted by the fold
         self._tasks: set[asyncio.Task] = set()
@@ -116,12 +117,10 @@ class LiveScheduler:
             if event is None:
                 continue
             if isinstance(fact, SwitchStarted):
+                # kept even when the publish fails: a lost ack may hide a stored request,
+                # which must then be sent once it is read back
                 self._to_send[event.event_id] = (fact.cell, fact.to_role.value)
-            try:
-                await self.bus.publish(event)
-            except Exception:
-                self._to_send.pop(event.event_id, None)
-                raise  # the rest of this tick's facts are dropped; the next tick decides again
+            await self.bus.publish(event)  # a failure drops the tick's other facts; the next tick decides again
         await self.catch_up_cells()  # our events, in stream order after whatever came first
         self._send_accepted()
         return facts
@@ -130,11 +129,16 @@ class LiveScheduler:
         """Sends each switch whose request the fold has read back and accepted."""
         for event_id in [e for e in self._to_send if e in self._read_back]:
             cell, role = self._to_send.pop(event_id)
-            if self._read_back.pop(event_id):
-                self._spawn(self._switch(cell, role, event_id))
-            else:
+            if not self._read_back.pop(event_id):
                 log.warning("scheduler: switch of %s to %s not sent: the log refused it (%s)", cell, role,
                             self.fold.errors[-1] if self.fold.errors else "?")
+                continue
+            phase = next((c.phase for c in self.state.cells if c.name == cell), None)
+            if phase is not SWITCH_PATH[Role(role)][0]:  # e.g. its agent registered again since
+                log.warning("scheduler: switch of %s to %s not sent: the cell is %s now", cell, role,
+                            phase.value if phase else "gone")
+                continue
+            self._spawn(self._switch(cell, role, event_id))
 
     async def _switch(self, cell: str, to_role: str, causation: str) -> None:
         try:

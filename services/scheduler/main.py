@@ -6,6 +6,8 @@ Environment: ``GYRE_PROXY_URL`` (required: calls in flight per cell come from th
 ``GYRE_SCHEDULER_HOLD_S``, ``GYRE_SCHEDULER_MIN_DWELL_S``, ``GYRE_SCHEDULER_SMOOTHING_S``,
 ``GYRE_SCHEDULER_LOW_WATERMARK``, ``GYRE_SCHEDULER_HIGH_WATERMARK``,
 ``GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT``; ``async``: ``GYRE_SCHEDULER_TRAINING_CELLS`` (1).
+``GYRE_SCHEDULER_GROUPS_PER_STEP`` (else ``GYRE_TRAINER_GROUPS_PER_STEP``): a step's groups,
+so the core is not pulled in for an update before all of them have started.
 """
 
 from __future__ import annotations
@@ -60,9 +62,12 @@ async def scheduler_main(ctx: ServiceContext) -> None:
     stale = settings.run_dir / SCHEDULE_FILE
     if stale.exists():  # an earlier scheduler's: never compared with this one's log
         stale.unlink()
+    groups = (os.environ.get("GYRE_SCHEDULER_GROUPS_PER_STEP") or os.environ.get("GYRE_TRAINER_GROUPS_PER_STEP")
+              or "").strip()
     live = LiveScheduler(run_id=settings.run_id, bus=ctx.runtime.bus, policy=policy_from_env(),
                          proxy_stats=proxy_stats, send_switch=send_switch,
-                         tick_s=float(os.environ.get("GYRE_SCHEDULER_TICK_S", "2")))
+                         tick_s=float(os.environ.get("GYRE_SCHEDULER_TICK_S", "2")),
+                         groups_per_step=int(groups) if groups else None)
     ctx.health.ok(policy=live.policy.name)
 
     async def show() -> None:  # water level and roles for gyre up's live view

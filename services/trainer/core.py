@@ -201,15 +201,21 @@ class CoreTrainer:
         return expected is not None and len(plan.queued) >= expected and set(plan.queued) <= set(self.reducer.used)
 
     async def _maybe_finish(self) -> None:
-        if not self._complete():
-            return
+        """Applies the current step once complete, and the next while it is complete too (a
+        step with nothing to train may have been settled while the one before was open)."""
+        while self._complete():
+            await self._finish_step()
+
+    async def _finish_step(self) -> None:
         r = self.reducer
         applied = r.apply(self.backend, self.optimizer, self.settings.train)
         stats = r.loss_stats()
         stats["loss_finite"] = 1.0 if math.isfinite(stats["loss"]) else 0.0
         stats = {k: v for k, v in stats.items() if math.isfinite(v)}  # JSON has no NaN: left out
         stats["applied"] = 1.0 if applied else 0.0
-        if not applied:
+        if not r.used:
+            log.info("core: step %d had nothing to train (its groups left no samples); the version moves on", r.step)
+        elif not applied:
             log.warning("core: step %d not applied (non-finite loss or gradient: %s)", r.step, r.non_finite)
         # The version moves on either way (a skipped step republishes the same weights), so
         # "step s trains on version s" holds and every cell can tell what to wait for.

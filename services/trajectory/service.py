@@ -69,7 +69,10 @@ class TrajectoryService:
         run = self.config.run_id
         async for d in self.bus.read(Context.TREES, filter_subject=f"gyre.{run}.trees.>"):
             self._published.add(d.event.event_id)
-        for ctx in _CONSUMED:
+        # Scores before calls: a judged rollout reads its own calls and is sealed (its tree
+        # freed) at once, so the rebuild holds only the trees of rollouts still open; the
+        # calls pass then builds those, and meets the rest as redeliveries.
+        for ctx in (Context.ROLLOUTS, Context.SCORES, Context.CALLS):
             async for d in self.bus.read(ctx, filter_subject=f"gyre.{run}.{ctx.value}.>"):
                 await self.handle(d)
 

@@ -173,6 +173,64 @@ async def test_a_phase_that_cannot_be_announced_fails_in_the_phase_the_log_knows
     assert await cell.engine.released() == [] and proxy.service.router.cells["e1"].state.value == "active"
 
 
+async def test_a_failed_resuming_announcement_puts_the_seat_back(proxy, engines, model_dir) -> None:
+    """Leaving ran (the seat left), then announcing resuming failed: the cell is reported
+    in training, in the phase the log knows, and its seat is joined again."""
+    agents = await setup_cells(proxy, engines, model_dir)
+    cell = agents[1]
+    assert (await cell.switch("training")).ok
+    publish = cell.bus.publish
+
+    async def flaky(event):
+        if isinstance(event, SwitchPhaseEntered) and event.phase == "resuming":
+            raise ConnectionError("nats went away")
+        return await publish(event)
+
+    cell.bus.publish = flaky
+    try:
+        rec = await cell.switch("inference")
+    finally:
+        cell.bus.publish = publish
+    assert not rec.ok and rec.failed_phase == "leaving" and cell.role == "training"
+    assert cell.seat.model is not None and cell.broken is None  # joined again
+    assert await cell.engine.released()  # and the engine's memory stays with training
+    assert (await cell.switch("inference")).ok
+
+
+async def test_an_outcome_the_bus_would_not_take_is_published_later(proxy, engines, model_dir, monkeypatch) -> None:
+    import asyncio
+
+    import services.cell.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "FINISH_RETRY_S", (0.01,))
+    agents = await setup_cells(proxy, engines, model_dir)
+    cell = agents[1]
+    publish = cell.bus.publish
+
+    async def no_outcomes(event):
+        if isinstance(event, (SwitchCompleted, SwitchFailed)):
+            raise ConnectionError("nats went away")
+        return await publish(event)
+
+    cell.bus.publish = no_outcomes
+    try:
+        assert (await cell.switch("training")).ok
+    finally:
+        cell.bus.publish = publish
+    assert [type(e).__name__ for e in cell.unsent] == ["SwitchCompleted"]
+    stop = asyncio.Event()
+    task = asyncio.create_task(cell.keep_registered(stop, every_s=0.05))
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        if not cell.unsent:
+            break
+    stop.set()
+    await task
+    done = [e for e in await cell_events(proxy.bus) if isinstance(e, SwitchCompleted)]
+    assert not cell.unsent and done[-1].role == "training"
+    assert (await cell.switch("inference")).ok
+
+
 async def test_a_restarted_agent_resumes_an_engine_left_released(proxy, engines, model_dir) -> None:
     agents = await setup_cells(proxy, engines, model_dir)
     assert (await agents[1].switch("training")).ok

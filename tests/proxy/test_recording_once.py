@@ -131,3 +131,55 @@ async def test_a_non_streaming_caller_leaving_is_aborted_and_recorded_undelivere
     samples = [s for f in text_string_to_metric_families(text) if f.name == "gyre_proxy_calls" for s in f.samples
                if s.name.endswith("_total")]
     assert [(s.labels["delivered"], s.value) for s in samples] == [("false", 1.0)]
+
+
+async def test_a_server_briefly_absent_is_waited_for(proxy) -> None:
+    """A JetStream 'no responders' (the stream's leader away for a moment): nothing was
+    stored, the append is tried again and the call is recorded once."""
+    from nats.errors import NoRespondersError
+
+    real = proxy.service.bus.publish
+    hit = []
+
+    async def flaky(ev, **kw):
+        if isinstance(ev, CallRecorded) and not hit:
+            hit.append(ev.call_id)
+            raise NoRespondersError
+        return await real(ev, **kw)
+
+    proxy.service.bus.publish = flaky
+    base = await proxy.rollout("absent-1")
+    async with httpx.AsyncClient(timeout=20) as c:
+        r = await c.post(base + "/v1/messages", headers=AKEY, json=BODY)
+        assert r.status_code == 200, r.text
+    calls = await recorded(proxy, "absent-1")
+    assert [c.call_id for c in calls] == hit
+
+
+async def test_a_call_that_could_not_be_appended_is_no_one_s_parent(proxy, monkeypatch) -> None:
+    """The log stays away past every retry: the caller gets an error, and the proxy
+    forgets the call, so the harness's retry of the turn is not recorded as its child."""
+    from nats.errors import NoRespondersError
+
+    import services.proxy.service as service
+
+    monkeypatch.setattr(service, "APPEND_BACKOFF_S", 0.001)
+    real = proxy.service.bus.publish
+    failing = [True]
+
+    async def down(ev, **kw):
+        if isinstance(ev, CallRecorded) and failing[0]:
+            raise NoRespondersError
+        return await real(ev, **kw)
+
+    proxy.service.bus.publish = down
+    base = await proxy.rollout("absent-2")
+    async with httpx.AsyncClient(timeout=20) as c:
+        r = await c.post(base + "/v1/messages", headers=AKEY, json=BODY)
+        assert r.status_code >= 500 and r.json()["type"] == "error"  # in the caller's format
+        failing[0] = False
+        again = await c.post(base + "/v1/messages", headers=AKEY, json=BODY)  # the harness retries
+        assert again.status_code == 200, again.text
+    await proxy.service.drain_background()
+    calls = await recorded(proxy, "absent-2")
+    assert len(calls) == 1 and calls[0].parent_call_id is None

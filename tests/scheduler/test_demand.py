@@ -48,3 +48,15 @@ def test_a_log_without_the_starts_counts_what_was_queued() -> None:
     d.apply(_queued("g-m0", "g", 3))
     d.apply(_done("g-m0", 3))
     assert d.update_pending
+
+
+def test_with_the_step_size_known_the_update_waits_for_groups_not_started_yet() -> None:
+    d = Demand(groups_per_step=2)
+    d.apply(_started("a1", "ga", 0))  # gb has not started: the runner runs a few at a time
+    d.apply(_queued("ga-m0", "ga", 0, of=1))
+    d.apply(GroupQueued(run_id=RUN, step=0, group_id="ga", micro_steps=1))
+    d.apply(_done("ga-m0", 0))
+    assert not d.update_pending
+    d.apply(_started("b1", "gb", 0))
+    d.apply(GroupQueued(run_id=RUN, step=0, group_id="gb", micro_steps=0))  # nothing to train in gb
+    assert d.update_pending

@@ -253,3 +253,40 @@ async def test_a_command_nobody_answers_puts_the_cell_back(js_bus) -> None:
     assert not any(type(f).__name__ == "SwitchStarted" for f in facts)
     replay = await _replayed(bus, run)
     assert replay.state == live.state
+
+
+async def test_a_request_stored_behind_a_lost_ack_is_still_sent(js_bus) -> None:
+    run, bus, sent = "lostack", js_bus, []
+    for ev in _two_cells(run):
+        await bus.publish(ev)
+
+    async def proxy_stats() -> dict:
+        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        sent.append((cell, to_role))
+        return {"ok": True}
+
+    live = _eager(run, bus, proxy_stats, send_switch)
+    await live.catch_up_cells()
+    live.demand.queued["0.0"] = 0
+    publish = bus.publish
+
+    async def lossy(event):
+        seq = await publish(event)
+        if type(event).__name__ == "SwitchRequested":
+            raise TimeoutError("ack lost (the request is stored)")
+        return seq
+
+    bus.publish = lossy
+    try:
+        await live.tick()
+    except TimeoutError:
+        pass
+    finally:
+        bus.publish = publish
+    assert sent == []
+    await live.catch_up_cells()  # the next round reads the request back ...
+    await live.tick()  # ... and sends it (and decides nothing new for c0, which is draining)
+    await asyncio.sleep(0.1)
+    assert sent == [("c0", "training")]

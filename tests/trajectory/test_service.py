@@ -241,3 +241,23 @@ def test_the_run_configs_budget_and_micro_step_size_reach_the_ledger_through_gyr
     assert (config.budget, config.micro_step_tokens) == (3, 4096)
     # an option given on the command line wins over the environment
     assert ledger_config("r", env_options({"budget": 2}, launch.env)).budget == 2
+
+
+async def test_a_rebuild_holds_one_open_tree_at_a_time_for_judged_rollouts():
+    """Scores are read before calls: each judged rollout is built and sealed (its tree
+    freed) before the next, so a restart of a long run does not hold every tree at once."""
+    bus, blobs = InMemoryBus(), MemoryBlobStore()
+    await _group_log(bus, blobs)
+    service = create_service(LedgerConfig(RUN, group_size=2), bus=bus, blobs=blobs)
+    peak = [0]
+    seal = service.ledger.seal
+
+    def counting_seal(rollout_id, cause):
+        live = sum(1 for s in service.ledger.rollouts.values() if s.tree is not None)
+        peak[0] = max(peak[0], live)
+        return seal(rollout_id, cause)
+
+    service.ledger.seal = counting_seal
+    await service.rebuild()
+    assert await _has(bus, MicroStepQueued)
+    assert peak[0] == 1
