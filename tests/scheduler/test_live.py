@@ -141,6 +141,24 @@ def _eager(run: str, bus, proxy_stats, send_switch) -> LiveScheduler:
                          proxy_stats=proxy_stats, send_switch=send_switch, clock=time.time)
 
 
+async def _idle_pair(bus, run: str) -> tuple[LiveScheduler, list]:
+    """Two idle cells registered; the scheduler caught up; the commands it sends, listed."""
+    sent: list[tuple[str, str]] = []
+    for ev in _two_cells(run):
+        await bus.publish(ev)
+
+    async def proxy_stats() -> dict:
+        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        sent.append((cell, to_role))
+        return {"ok": True}
+
+    live = _eager(run, bus, proxy_stats, send_switch)
+    await live.catch_up_cells()
+    return live, sent
+
+
 async def _replayed(bus, run: str):
     from services.scheduler.replay import CellsFold
 
@@ -184,19 +202,8 @@ async def test_a_switch_is_sent_only_once_the_log_accepted_it(js_bus) -> None:
 
 
 async def test_a_failed_publish_leaves_no_trace_and_sends_nothing(js_bus) -> None:
-    run, bus, sent = "nopub", js_bus, []
-    for ev in _two_cells(run):
-        await bus.publish(ev)
-
-    async def proxy_stats() -> dict:
-        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
-
-    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
-        sent.append((cell, to_role))
-        return {"ok": True}
-
-    live = _eager(run, bus, proxy_stats, send_switch)
-    await live.catch_up_cells()
+    bus = js_bus
+    live, sent = await _idle_pair(bus, "nopub")
     live.demand.queued["0.0"] = 0  # training work waits
     publish = bus.publish
 
@@ -256,19 +263,8 @@ async def test_a_command_nobody_answers_puts_the_cell_back(js_bus) -> None:
 
 
 async def test_a_request_stored_behind_a_lost_ack_is_still_sent(js_bus) -> None:
-    run, bus, sent = "lostack", js_bus, []
-    for ev in _two_cells(run):
-        await bus.publish(ev)
-
-    async def proxy_stats() -> dict:
-        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
-
-    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
-        sent.append((cell, to_role))
-        return {"ok": True}
-
-    live = _eager(run, bus, proxy_stats, send_switch)
-    await live.catch_up_cells()
+    bus = js_bus
+    live, sent = await _idle_pair(bus, "lostack")
     live.demand.queued["0.0"] = 0
     publish = bus.publish
 
