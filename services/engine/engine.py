@@ -24,7 +24,7 @@ from .metrics import EngineMetrics
 from .model_runner import ForwardItem, KVBuffer, ModelRunner
 from .params import InvalidRequest, SamplingParams, check_input_ids
 from .sampler import SampleSpec, new_generator, sample
-from .scheduler import PauseMode, Scheduler, Sequence, check_stop, trim_stop_text
+from .scheduler import PauseMode, Scheduler, Sequence, banned_before_min_tokens, check_stop, trim_stop_text
 from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -68,6 +68,9 @@ class _Live:
     generator: Any
     started: float
     kv: KVBuffer | None = None
+    # Engine.weight_generation when ``kv`` was attached: KV computed (even partly) under
+    # older weights never goes back to the prefix cache.
+    kv_generation: int = 0
 
 
 @dataclass
@@ -90,6 +93,9 @@ class Engine:
         )
         self.prefix_cache = PrefixKVCache(runner.shape, settings.kv_cache_bytes)
         self.weight_version = settings.weight_version
+        # +1 on every write of weight values (weights.WeightManager._write); the version label
+        # can stay while values change, so staleness of KV is judged by this counter.
+        self.weight_generation = 0
         self.eos_ids = _eos_ids(runner, tokenizer)
         self.vocab_limit = min(runner.shape.vocab_size, max(len(tokenizer), 1))
         self.released: set[str] = set()  # memory tags released ("weights", "kv_cache")
@@ -272,13 +278,30 @@ class Engine:
         for feed in feeds:
             feed.seq.kv_len = self._live[feed.seq.rid].kv.length
         sampling = [feed.seq for feed in feeds if feed.samples]
-        specs = [SampleSpec(s.params, s.return_logprob, self._live[s.rid].generator, s.top_logprobs_num)
-                 for s in sampling]
-        tokens, logprobs, tops = sample(logits, specs, self.vocab_limit)  # on this thread's one thread (see _run)
-        for seq, token, logprob, top in zip(sampling, tokens, logprobs, tops):
+        specs = [SampleSpec(s.params, s.return_logprob, self._live[s.rid].generator, s.top_logprobs_num,
+                            banned_before_min_tokens(s)) for s in sampling]
+        try:
+            picks = list(zip(*sample(logits, specs, self.vocab_limit)))  # on this thread's one thread (see _run)
+        except Exception:  # one row's parameters must not end the others: redo row by row
+            log.exception("sampling the batch failed; sampling row by row")
+            picks = [self._sample_row(logits, row, spec) for row, spec in enumerate(specs)]
+        for seq, pick in zip(sampling, picks):
+            if isinstance(pick, Exception):
+                self.scheduler.finish(seq, {"type": "abort", "message": f"sampling failed: {pick}"})
+                self._complete(seq)
+                continue
+            token, logprob, top = pick
             if seq.top_logprobs_num:
                 seq.output_top_logprobs.append(top)
             self._append(seq, token, logprob)
+
+    def _sample_row(self, logits, row: int, spec: SampleSpec) -> tuple | Exception:
+        try:
+            tokens, logprobs, tops = sample(logits[row : row + 1].clone(), [spec], self.vocab_limit)
+        except Exception as exc:
+            log.warning("sampling failed for one sequence: %s", exc)
+            return exc
+        return tokens[0], logprobs[0], tops[0]
 
     def _attach(self, seq: Sequence) -> None:
         live = self._live[seq.rid]
@@ -289,6 +312,7 @@ class Engine:
             return
         ids = seq.all_ids
         live.kv = self.runner.new_kv(len(ids) + min(seq.params.max_new_tokens, 512))
+        live.kv_generation = self.weight_generation
         cached = self.prefix_cache.attach_prefix(ids, live.kv)
         seq.kv_len = cached
         if not seq.admitted_once:
@@ -325,7 +349,8 @@ class Engine:
         live = live or self._live.get(seq.rid)
         if live is None or live.kv is None:
             return
-        if keep_in_cache and "kv_cache" not in self.released:
+        fresh = live.kv_generation == self.weight_generation  # no weight write since it was attached
+        if keep_in_cache and fresh and "kv_cache" not in self.released:
             self.prefix_cache.store(seq.all_ids, live.kv)
         live.kv = None
         seq.kv_len = 0

@@ -17,6 +17,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 
 from . import kv_transfer
 from .engine import Engine, EngineBusy, MemoryReleased
+from .http_body import json_body as _json_body
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .params import GenerateRequest, InvalidRequest, parse_sampling_params
 from .scheduler import PauseMode
@@ -133,9 +134,10 @@ def _control_routes(app: FastAPI, engine: Engine, admin) -> None:
     @app.post("/abort_request", dependencies=[admin])
     async def abort_request(request: Request) -> dict:
         body = await _json_body(request)
-        rids = None if body.get("abort_all") else [body.get("rid")]
-        if rids == [None]:
-            raise InvalidRequest("give rid or abort_all")
+        rid = body.get("rid")
+        if not body.get("abort_all") and not isinstance(rid, str):
+            raise InvalidRequest("give rid (a string) or abort_all")
+        rids = None if body.get("abort_all") else [rid]
         count = await engine.acall(lambda: engine.abort(rids, "aborted by abort_request"))
         return {"success": True, "num_aborted": count}
 
@@ -240,7 +242,9 @@ def _version_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin)
     async def get_weights_by_name(request: Request) -> Any:
         body = await _json_body(request)
         key = weights.resolve(str(body.get("name")))
-        size = int(body.get("truncate_size", 100))
+        size = body.get("truncate_size", 100)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise InvalidRequest("truncate_size must be a non-negative integer")
         values = await engine.acall(lambda: weights.params[key].detach().flatten()[:size].tolist())
         return values
 
@@ -269,12 +273,12 @@ async def _generate(engine: Engine, body: dict) -> Response:
         raise InvalidRequest("rid must be a list (one id per prompt) when input_ids is a batch")
     seqs = []
     for i, ids in enumerate(prompts):
-        if _pick(req.logprob_start_len, i, batched) not in (-1, None):
+        if _pick(req, "logprob_start_len", i, batched) not in (-1, None):
             raise InvalidRequest("only output logprobs are supported (logprob_start_len -1)")
-        params = parse_sampling_params(_pick(req.sampling_params, i, batched))
-        rid = _pick(req.rid, i, batched)
-        top_n = int(_pick(req.top_logprobs_num, i, batched) or 0)
-        seqs.append(engine.new_sequence(ids, params, bool(_pick(req.return_logprob, i, batched)), rid, top_n))
+        params = parse_sampling_params(_pick(req, "sampling_params", i, batched))
+        rid = _pick(req, "rid", i, batched)
+        top_n = int(_pick(req, "top_logprobs_num", i, batched) or 0)
+        seqs.append(engine.new_sequence(ids, params, bool(_pick(req, "return_logprob", i, batched)), rid, top_n))
     if req.stream:
         if batched:
             raise InvalidRequest("streaming a batch is not supported; send one request per prompt")
@@ -288,10 +292,15 @@ async def _generate(engine: Engine, body: dict) -> Response:
         if subscribers:
             engine.call(lambda: engine.abort([seq.rid for seq in seqs[:len(subscribers)]], "batch refused"))
         raise
-    finals = []
-    for subscriber in subscribers:
-        async for snapshot, _ in subscriber.updates():
-            finals.append(snapshot)
+    finals: list[dict] = []
+    try:
+        for subscriber in subscribers:
+            async for snapshot, _ in subscriber.updates():
+                finals.append(snapshot)
+    finally:
+        if len(finals) < len(seqs):  # the client went away (cancelled): stop spending compute on it
+            unfinished = [seq.rid for seq in seqs[len(finals):]]
+            engine.call(lambda: engine.abort(unfinished, "client disconnected"))
     return JSONResponse(finals if batched else finals[0])
 
 
@@ -321,12 +330,16 @@ def _prompts(engine: Engine, req: GenerateRequest) -> tuple[list[list[int]], boo
     return ids, isinstance(req.text, list)
 
 
-def _pick(value: Any, index: int, batched: bool) -> Any:
-    if batched and isinstance(value, list):
-        if index >= len(value):
-            raise InvalidRequest("per-prompt lists must match the number of prompts")
-        return value[index]
-    return value
+def _pick(req: GenerateRequest, name: str, index: int, batched: bool) -> Any:
+    """Prompt ``index``'s value of a per-prompt field: one value for all, or a list (batch only)."""
+    value = getattr(req, name)
+    if not isinstance(value, list):
+        return value
+    if not batched:
+        raise InvalidRequest(f"{name} is a list but input is a single prompt; give one value")
+    if index >= len(value):
+        raise InvalidRequest(f"{name}: per-prompt lists must match the number of prompts")
+    return value[index]
 
 
 def _version(value: Any) -> str | None:
@@ -339,19 +352,6 @@ def _tags(value: Any) -> list[str]:
     if not isinstance(value, list) or not set(value) <= {"weights", "kv_cache", "cuda_graph"}:
         raise InvalidRequest("tags must be null or a subset of weights, kv_cache, cuda_graph")
     return [t for t in value if t != "cuda_graph"]
-
-
-async def _json_body(request: Request) -> dict:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise InvalidRequest("body is not JSON") from None
-    if not isinstance(body, dict):
-        raise InvalidRequest("body must be a JSON object")
-    return body
 
 
 def _admin_guard(settings: EngineSettings):

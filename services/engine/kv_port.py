@@ -34,6 +34,7 @@ from libs.common.transfer.port import PeerDescriptor, TransferAgent, TransferFai
 
 from .client import CellError, EngineClient
 from .engine import Engine
+from .http_body import json_body
 from .params import InvalidRequest
 
 OFFER_TTL_S = 300.0
@@ -65,12 +66,15 @@ class KVPort:
     async def offer(self, input_ids: list[int], checksums: bool = False) -> dict[str, Any]:
         self._expire()
         engine = self.engine
-        matched, kv = await engine.acall(lambda: engine.prefix_cache.export(input_ids))
+        # the version is read in the same engine-thread command as the KV: an update landing
+        # between the two would otherwise label old KV with the new version
+        matched, kv, version = await engine.acall(
+            lambda: (*engine.prefix_cache.export(input_ids), engine.weight_version))
         if matched == 0:
             return PeerDescriptor(self.agent.backend, self.agent.endpoint,
                                   meta={"kind": "kv", "lease": None, "token_ids": []}).to_json()
         desc = await asyncio.to_thread(offer_kv, self.agent, kv, input_ids[:matched],
-                                       weight_version=engine.weight_version, checksums=checksums)
+                                       weight_version=version, checksums=checksums)
         with self._lock:
             self._offers[desc.meta["lease"]] = time.monotonic() + OFFER_TTL_S
         return desc.to_json()
@@ -126,16 +130,16 @@ class KVPort:
 def add_routes(app: FastAPI, port: KVPort, admin) -> None:
     @app.post("/gyre/kv/port/offer", dependencies=[admin])
     async def kv_port_offer(request: Request) -> dict:
-        body = await request.json()
-        ids = body.get("input_ids") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        body = await json_body(request)
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequest("input_ids must be a list of token ids")
         return await port.offer(ids, bool(body.get("checksums", False)))
 
     @app.post("/gyre/kv/port/fetch", dependencies=[admin])
     async def kv_port_fetch(request: Request) -> dict:
-        body = await request.json()
-        if not isinstance(body, dict) or not isinstance(body.get("offer"), dict):
+        body = await json_body(request)
+        if not isinstance(body.get("offer"), dict):
             raise InvalidRequest("offer must be a transfer descriptor")
         try:
             return await port.fetch(body["offer"], body.get("verify"), float(body.get("timeout_s", 60.0)))
@@ -146,8 +150,10 @@ def add_routes(app: FastAPI, port: KVPort, admin) -> None:
 
     @app.post("/gyre/kv/port/release", dependencies=[admin])
     async def kv_port_release(request: Request) -> dict:
-        body = await request.json()
-        return {"success": port.release(str(body.get("lease")))}
+        lease = (await json_body(request)).get("lease")
+        if not isinstance(lease, str):
+            raise InvalidRequest("lease must be a string")
+        return {"success": port.release(lease)}
 
 
 def attach(service, agent: TransferAgent | None = None) -> KVPort:

@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from .engine import Engine, MemoryReleased
+from .http_body import json_body
 from .params import InvalidRequest
 
 MEDIA_TYPE = "application/octet-stream"
@@ -66,9 +67,8 @@ def _metadata(blob: bytes) -> dict:
 def add_routes(app: FastAPI, engine: Engine, admin) -> None:
     @app.post("/gyre/kv/export", dependencies=[admin])
     async def kv_export(request: Request) -> Response:
-        body = await request.json()
-        ids = body.get("input_ids") if isinstance(body, dict) else None
-        if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+        ids = (await json_body(request)).get("input_ids")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequest("input_ids must be a list of token ids")
         blob = await engine.acall(lambda: export_prefix(engine, ids))
         return Response(blob, media_type=MEDIA_TYPE)

@@ -17,12 +17,18 @@ class InvalidRequest(ValueError):
     """A request the engine answers with HTTP 400."""
 
 
+# Below this temperature a request samples greedily (as SGLang does: it turns
+# ``0 <= temperature < 1e-6`` into top_k 1). Dividing logits by a smaller one overflows.
+GREEDY_TEMPERATURE_EPS = 1e-6
+SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_new_tokens: int = Field(default=128, ge=0)
     min_new_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0)
+    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1  # -1 (or 0): no top-k cut
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -57,6 +63,13 @@ class SamplingParams(BaseModel):
     def _ids_as_list(cls, value: Any) -> Any:
         return [] if value is None else value
 
+    @field_validator("sampling_seed")
+    @classmethod
+    def _seed(cls, value: int | None) -> int | None:
+        if value is not None and not 0 <= value < SEED_LIMIT:
+            raise ValueError("sampling_seed must be in [0, 2**64)")
+        return value
+
     @field_validator("top_k")
     @classmethod
     def _top_k(cls, value: int) -> int:
@@ -84,7 +97,7 @@ class SamplingParams(BaseModel):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
 
 
 def parse_sampling_params(raw: Any) -> SamplingParams:

@@ -21,6 +21,7 @@ class SampleSpec:
     want_logprob: bool
     generator: torch.Generator | None
     top_n: int = 0  # also return the n most likely tokens' logprobs
+    banned: tuple[int, ...] = ()  # ids this pick may not be (stop/EOS ids before min_new_tokens)
 
 
 def new_generator(seed: int | None) -> torch.Generator | None:
@@ -54,6 +55,10 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], vocab_limit: int) -> t
         if specs[row].top_n > 0:
             values, ids = torch.topk(scored[j, :vocab_limit], specs[row].top_n)
             tops[row] = [[v - lse[j].item(), i, None] for v, i in zip(values.tolist(), ids.tolist())]
+    for row, spec in enumerate(specs):  # after the logprobs: they stay those of the model's distribution
+        if spec.banned:
+            banned = torch.tensor([t for t in spec.banned if 0 <= t < logits.shape[1]], dtype=torch.long)
+            logits[row, banned] = float("-inf")
     tokens = _pick(logits, specs)
     logprobs: list[float | None] = [None] * len(specs)
     if wanted:
@@ -97,6 +102,8 @@ def _draw(scaled: torch.Tensor, spec: SampleSpec) -> int:
         candidates = candidates[keep]
     if params.top_p < 1.0:
         candidates, ids = _top_p(candidates, ids, params.top_p)
+    if not bool(torch.isfinite(candidates).any()):
+        raise ValueError("no finite logits to sample from")
     noise = torch.rand(candidates.shape[0], generator=spec.generator).clamp_(min=1e-20)
     pick = int(torch.argmax(candidates - torch.log(-torch.log(noise))))
     return pick if ids is None else int(ids[pick])
@@ -105,13 +112,15 @@ def _draw(scaled: torch.Tensor, spec: SampleSpec) -> int:
 def _top_p(candidates: torch.Tensor, ids: torch.Tensor | None, top_p: float):
     """The smallest most-likely set holding ``top_p`` of the mass (grows a top-k window
     before falling back to a full sort, which a flat distribution needs)."""
-    lse = torch.logsumexp(candidates, dim=0)
+    # float64: a top_p below float32's smallest number must still keep the first candidate
+    lse = torch.logsumexp(candidates.double(), dim=0)
     n = candidates.shape[0]
     k = min(256, n)
     while True:
         values, order = torch.topk(candidates, k)
-        mass_before = torch.cumsum(torch.exp(values - lse), dim=0) - torch.exp(values - lse)
-        keep = int((mass_before < top_p).sum())  # always >= 1
+        probs = torch.exp(values.double() - lse)
+        mass_before = torch.cumsum(probs, dim=0) - probs
+        keep = max(1, int((mass_before < top_p).sum()))  # the most likely candidate always stays
         if keep < k or k == n:
             chosen = order[:keep]
             return values[:keep], chosen if ids is None else ids[chosen]

@@ -191,6 +191,18 @@ def _worst_case(seq: Sequence, max_context: int) -> int:
     return min(len(seq.input_ids) + seq.params.max_new_tokens, max_context)
 
 
+def banned_before_min_tokens(seq: Sequence) -> tuple[int, ...]:
+    """Ids the next pick may not be: while fewer than ``min_new_tokens`` are out, the stop
+    token ids and (unless ``ignore_eos``) the EOS ids, so the minimum is really produced."""
+    params = seq.params
+    if len(seq.output_ids) >= params.min_new_tokens:
+        return ()
+    banned = set(params.stop_token_ids)
+    if not params.ignore_eos:
+        banned |= seq.eos_ids
+    return tuple(sorted(banned))
+
+
 def check_stop(
     seq: Sequence,
     token: int,

@@ -10,16 +10,21 @@ Rules that keep answers correct:
   with :class:`WeightUpdateRefused` (HTTP 400, nothing written), decided on the engine thread
   in the same command that would write, so no step can start in between. A forward step
   never sees a half-applied update.
-- A distributed update is refused only after the whole broadcast was received: the
-  trainer's collective always completes and the group stays in step (refusing before the
-  receive would leave the trainer's ``broadcast`` waiting for a receiver, and a later
-  update would read the stale tensors); the received tensors are dropped.
+- A distributed update is checked only after the whole broadcast was received into
+  scratch buffers: the trainer's collective always completes and the group stays in step
+  (refusing before the receive would leave the trainer's tensors in the group, and the
+  next update would read them as its own); a refused update's tensors are dropped. Only an
+  announcement that cannot be read (unknown dtype, bad shape, lists of different lengths)
+  is refused before receiving, since there is nothing to receive into.
 - Between ``begin_weight_update`` and ``end_weight_update`` tensor and distributed updates
   are staged and applied together at the end (all or nothing). Without ``begin`` each call
   applies at once, as SGLang before 0.5.21 did. In ``reject`` mode only ``end`` can be
   refused (staging writes nothing); a refused ``end`` closes the window and drops what was
-  staged.
-- Every applied update flushes the prefix cache: cached KV of old weights is stale.
+  staged. An ``end`` while the weights are released is refused too, but keeps the window:
+  resume memory, then end again.
+- Every applied update flushes the prefix cache (cached KV of old weights is stale) and
+  bumps ``Engine.weight_generation``: a sequence paused in place across the update keeps
+  its old-weight KV to finish, but that KV never goes back into the cache.
 """
 
 from __future__ import annotations
@@ -43,7 +48,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 ABORTED_FOR_UPDATE = "aborted for a weight update"
-FLOAT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class WeightUpdateError(ValueError):
@@ -55,11 +59,20 @@ class WeightUpdateRefused(WeightUpdateError):
     paused; nothing was written and the running requests go on with the old weights."""
 
 
-def parse_dtype(name: str) -> torch.dtype:
-    key = name.removeprefix("torch.")
-    if key not in FLOAT_DTYPES:
-        raise WeightUpdateError(f"unsupported dtype {name!r}; weights are floating point ({', '.join(FLOAT_DTYPES)})")
-    return FLOAT_DTYPES[key]
+def wire_dtype(name) -> torch.dtype:
+    """Any torch dtype by name (``"bfloat16"``, ``"torch.int64"``): what a broadcast carries.
+    Whether weights may take it is :meth:`WeightManager.check`'s call."""
+    value = getattr(torch, str(name).removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(value, torch.dtype):
+        raise WeightUpdateError(f"unknown dtype {name!r}")
+    return value
+
+
+def wire_shape(name, shape) -> tuple[int, ...]:
+    if not isinstance(shape, (list, tuple)) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**40 for d in shape):
+        raise WeightUpdateError(f"shape of {name} must be a list of non-negative sizes, got {shape!r}")
+    return tuple(shape)
 
 
 def serialize_named_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
@@ -131,9 +144,19 @@ class WeightManager:
         self.staged, self._staged_version = {}, None
 
     def end(self, weight_version: str | None) -> Future:
-        staged, self.staged = self.staged or {}, None  # a refused end drops the window too
+        if "weights" in self.engine.released:  # refused with the window kept: end again after resuming
+            raise WeightUpdateError("weights are released; resume_memory_occupation, then end the update again")
+        staged, self.staged = self.staged or {}, None  # a refused end (reject mode) drops the window too
         version = weight_version if weight_version is not None else self._staged_version
-        return self._schedule(lambda: self._write(staged, version))
+
+        def write() -> int:
+            if "weights" in self.engine.released:  # released since the check above: keep the window
+                if self.staged is None:
+                    self.staged = staged
+                raise WeightUpdateError("weights are released; resume_memory_occupation, then end the update again")
+            return self._write(staged, version)
+
+        return self._schedule(write)
 
     def submit(self, checked: dict[str, torch.Tensor], weight_version: str | None) -> Future:
         """Stages (inside begin/end) or applies ``checked``; returns a future of the apply."""
@@ -174,10 +197,13 @@ class WeightManager:
 
     def _write(self, checked: dict[str, torch.Tensor], weight_version: str | None) -> int:
         """Engine thread. Returns how many requests were paused across the update."""
+        if "weights" in self.engine.released:  # the parameters are parked on disk: nothing to write into
+            raise WeightUpdateError("weights are released; resume_memory_occupation first")
         with torch.no_grad():
             for key, tensor in checked.items():
                 self.params[key].data.copy_(tensor.to(torch.float32))
         self.engine.runner.weights_changed()
+        self.engine.weight_generation += 1  # KV of live (paused) sequences is stale from here on
         if weight_version is not None:
             self.engine.weight_version = str(weight_version)
         self.engine.prefix_cache.flush()
@@ -218,23 +244,29 @@ class WeightManager:
 
     def receive_broadcast(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
                           group_name: str) -> dict[str, torch.Tensor]:
-        """Receives one tensor per name from rank 0 (call off the engine thread)."""
+        """Receives one tensor per name from rank 0 (call off the engine thread).
+
+        The trainer broadcasts whatever it announced whether or not this cell accepts it, so
+        every announced tensor that can be allocated is received (into scratch buffers)
+        before anything is checked: a refusal then leaves the group in step, and the next
+        update reads its own bytes, not this one's. Only an announcement that cannot be
+        read (no group, lists of different lengths, an unknown dtype, a bad shape) is
+        refused before receiving; nothing is applied either way."""
         if self.group is None or group_name != self.group_name:
             raise WeightUpdateError(f"no weight update group {group_name!r}; call init_weights_update_group")
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise WeightUpdateError("names, dtypes and shapes must be non-empty and of one length")
-        plan = [(name, parse_dtype(dt), tuple(shape)) for name, dt, shape in zip(names, dtypes, shapes)]
-        for name, dtype, shape in plan:
-            self.check(name, shape, dtype)
-        received = []
-        for name, dtype, shape in plan:
-            tensor = torch.empty(shape, dtype=dtype)
+        plan = [(str(name), wire_dtype(dt), wire_shape(name, shape)) for name, dt, shape in zip(names, dtypes, shapes)]
+        try:
+            scratch = [(name, torch.empty(shape, dtype=dtype)) for name, dtype, shape in plan]
+        except (RuntimeError, MemoryError) as exc:
+            raise WeightUpdateError(f"cannot allocate the announced tensors: {exc}") from None
+        for name, tensor in scratch:
             try:
                 broadcast_rank0(self.group, tensor)
             except RuntimeError as exc:  # the trainer went away mid-update: nothing written
                 raise WeightUpdateError(f"broadcast of {name} failed: {exc}") from None
-            received.append((name, tensor))
-        return self.check_all(received)
+        return self.check_all(scratch)
 
     def destroy_group(self, group_name: str | None) -> None:
         if self.group is None or (group_name is not None and group_name != self.group_name):

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 
-import torch
 from fastapi import FastAPI, Request
 
 from libs.common.transfer.weights import WeightsDescriptor, pull_weights
 
 from .params import InvalidRequest
-from .weights import WeightManager
+from .http_body import json_body
+from .weights import WeightManager, wire_dtype
 
 
 def add_routes(app: FastAPI, weights: WeightManager, agent_of, admin) -> None:
@@ -26,16 +26,17 @@ def add_routes(app: FastAPI, weights: WeightManager, agent_of, admin) -> None:
 
     @app.post("/gyre/weights/pull", dependencies=[admin])
     async def weights_pull(request: Request) -> dict:
-        body = await request.json()
+        body = await json_body(request)
         try:
             desc = WeightsDescriptor.from_json(body["descriptor"])
-        except (KeyError, TypeError, ValueError) as exc:
+            timeout_s = float(body.get("timeout_s", 300.0))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InvalidRequest(f"descriptor must be a weights descriptor: {exc}") from None
         for spec in desc.tensors:  # refuse before moving a byte
-            weights.check(spec.name, spec.shape, getattr(torch, spec.dtype))
+            weights.check(spec.name, spec.shape, wire_dtype(spec.dtype))
         try:
             named = await asyncio.to_thread(pull_weights, desc, agent=agent_of(), verify=body.get("verify"),
-                                            timeout_s=float(body.get("timeout_s", 300.0)))
+                                            timeout_s=timeout_s)
         except Exception as exc:  # TransferFailed, ChecksumMismatch: nothing applied
             raise InvalidRequest(f"weight pull failed, nothing applied: {type(exc).__name__}: {exc}") from None
         checked = weights.check_all(named.items())

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.engine.client import CellError
-from services.engine.weights import serialize_named_tensors
+from services.engine.weights import WeightUpdateError, serialize_named_tensors
 
 from .conftest import asgi_client
 
@@ -159,6 +159,36 @@ async def test_begin_end_window_applies_all_at_once(cell, fresh_service):
         assert inside["output_ids"] == before["output_ids"] and inside["meta_info"]["weight_version"] == "0"
     after = await cell.generate(PROMPT, GREEDY)
     assert after["meta_info"]["weight_version"] == "5" and after["output_ids"] != before["output_ids"]
+
+
+async def test_end_while_weights_are_released_is_a_400_that_keeps_the_staged_update(cell, fresh_service):
+    original = _params(fresh_service)
+    new = _perturb(original[EMBED])
+    before = await cell.generate(PROMPT, GREEDY)
+    await cell._post("/begin_weight_update", {})
+    await cell.update_weights_from_tensor(serialize_named_tensors([(EMBED, new)]), weight_version="5")
+    await cell.release_memory()
+    with pytest.raises(CellError) as err:
+        await cell._post("/end_weight_update", {})
+    assert err.value.status == 400 and "released" in err.value.message
+    await cell.resume_memory()
+    assert torch.equal(_params(fresh_service)[EMBED], original[EMBED])  # nothing applied by the refusal
+    assert (await cell.generate(PROMPT, GREEDY))["output_ids"] == before["output_ids"]
+    await cell._post("/end_weight_update", {})  # the window survived: ending it now applies it
+    assert torch.equal(_params(fresh_service)[EMBED], new)
+    assert (await cell.model_info())["weight_version"] == "5"
+
+
+async def test_a_write_reaching_released_weights_is_a_400(cell, fresh_service):
+    weights = fresh_service.weights
+    original = _params(fresh_service)
+    await cell.release_memory(["weights"])
+    future = weights.apply_now({EMBED: _perturb(original[EMBED])}, "9")
+    with pytest.raises(WeightUpdateError, match="released"):
+        future.result(timeout=30)
+    await cell.resume_memory(["weights"])
+    assert torch.equal(_params(fresh_service)[EMBED], original[EMBED])
+    assert fresh_service.engine.weight_version == "0"
 
 
 async def test_update_during_generation_waits_for_the_running_request(cell, fresh_service):

@@ -34,20 +34,36 @@ async def test_weights_broadcast_from_a_trainer_process(fresh_service, tmp_path)
            Q0: (original[Q0] * -1).to(torch.bfloat16)}
     save_file(new, str(tmp_path / "w.safetensors"))
     port, names = _free_port(), [Q0, EMBED]
+    q0_dims = "x".join(str(d) for d in original[Q0].shape)
     sender = subprocess.Popen(
         [sys.executable, "-m", "tests.engine.weight_sender", "--port", str(port), "--file",
-         str(tmp_path / "w.safetensors"), "--group", "g1", "--names", ",".join(names)],
+         str(tmp_path / "w.safetensors"), "--group", "g1", "--names", ",".join(names),
+         "--refused", f"float32:3x3,int64:{q0_dims},float32:{q0_dims}"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
     )
     try:
         async with asgi_client(fresh_service, admin_token="secret") as cell:
             before = await cell.generate(list(range(100, 130)), {"max_new_tokens": 5, "temperature": 0})
             await cell.init_weights_update_group("127.0.0.1", port, 1, 2, "g1")
-            with pytest.raises(CellError) as err:  # checked before anything is received
+            # Refused updates: each announced tensor is still received (the trainer sent it),
+            # so the group stays in step; nothing is applied.
+            with pytest.raises(CellError) as err:  # wrong shape
                 await cell.update_weights_from_distributed([Q0], ["float32"], [[3, 3]], "g1")
-            assert err.value.status == 400
-            with pytest.raises(CellError):
+            assert err.value.status == 400 and "shape" in err.value.message
+            with pytest.raises(CellError) as err:  # not a floating point dtype
                 await cell.update_weights_from_distributed([Q0], ["int64"], [list(original[Q0].shape)], "g1")
+            assert err.value.status == 400
+            with pytest.raises(CellError) as err:  # unknown name
+                await cell.update_weights_from_distributed(["no.such.weight"], ["float32"],
+                                                           [list(original[Q0].shape)], "g1")
+            assert err.value.status == 400
+            # unreadable announcements: refused before receiving (the trainer sent nothing for them either)
+            for dtypes, shapes in ((["bogus"], [[3, 3]]), (["float32"], [[-1]]), (["float32"], ["3x3"])):
+                with pytest.raises(CellError) as err:
+                    await cell.update_weights_from_distributed([Q0], dtypes, shapes, "g1")
+                assert err.value.status == 400
+            params = dict(fresh_service.engine.runner.model.named_parameters())
+            assert torch.equal(params[Q0], original[Q0]) and fresh_service.engine.weight_version == "0"
             result = await cell.update_weights_from_distributed(
                 names, ["bfloat16", "float32"], [list(new[n].shape) for n in names], "g1", weight_version="11")
             assert result["success"]

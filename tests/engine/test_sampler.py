@@ -46,3 +46,36 @@ def test_logprobs_are_of_the_temperature_scaled_distribution_before_the_cuts():
     want = torch.log_softmax(LOGITS[0] / 0.5, -1)
     assert abs(logprobs[0] - want[tokens[0]].item()) < 1e-6
     assert [t[1] for t in tops[0]] == [0, 1] and abs(tops[0][0][0] - want[0].item()) < 1e-6
+
+
+def _one(params: dict, logits: torch.Tensor = LOGITS, want_logprob: bool = False, seed: int = 5, **spec):
+    spec = SampleSpec(parse_sampling_params(params), want_logprob=want_logprob, generator=new_generator(seed), **spec)
+    tokens, logprobs, _ = sample(logits.clone(), [spec], VOCAB)
+    return tokens[0], logprobs[0]
+
+
+def test_a_top_p_below_float32_range_keeps_the_most_likely_token():
+    # 1e-46 is 0 in float32: the cut used to keep nothing and argmax an empty row
+    for top_p in (1e-46, 1e-300, 1e-8):
+        assert {_one({"temperature": 1.0, "top_p": top_p}, seed=s)[0] for s in range(20)} == {0}
+
+
+def test_a_temperature_below_the_epsilon_is_greedy():
+    # as SGLang: 0 <= temperature < 1e-6 samples greedily (dividing by it overflowed to inf/NaN)
+    peaked = torch.tensor([[30.0, 29.0, 1.0, 0.0, 0.0, 5.0, 5.0]])
+    for extra in ({}, {"top_p": 0.9}, {"min_p": 0.5}, {"top_k": 3}):
+        params = {"temperature": 1e-40, **extra}
+        assert parse_sampling_params(params).greedy
+        token, logprob = _one(params, peaked, want_logprob=True)
+        assert token == 0
+        assert math.isfinite(logprob) and abs(logprob - torch.log_softmax(peaked[0], -1)[0].item()) < 1e-6
+    assert not parse_sampling_params({"temperature": 1e-5}).greedy
+    assert {_one({"temperature": 1e-5, "top_p": 0.5}, peaked, seed=s)[0] for s in range(10)} == {0}
+
+
+def test_banned_ids_are_never_picked_and_keep_the_models_logprobs():
+    want = torch.log_softmax(LOGITS[0], -1)
+    for params in ({"temperature": 0}, {"temperature": 1.0}, {"temperature": 1.0, "top_p": 0.6}):
+        for seed in range(10):
+            token, logprob = _one(params, want_logprob=True, seed=seed, banned=(0, 10**30))
+            assert token != 0 and abs(logprob - want[token].item()) < 1e-6

@@ -247,3 +247,30 @@ async def test_wait_mode_is_unchanged(waiting, tmp_path):
     assert out["meta_info"]["weight_versions"] == [{"version": "0", "start": 0, "end": 60}]
     assert torch.equal(service.engine.runner.model.get_parameter(EMBED), new)
     assert (await cell.generate(PROMPT, SHORT))["meta_info"]["weight_version"] == "5"
+
+
+async def test_kv_of_a_sequence_paused_in_place_across_an_update_never_enters_the_cache(waiting):
+    service, client = waiting
+    engine = service.engine
+    pending = asyncio.create_task(client.generate(PROMPT, {**LONG, "max_new_tokens": 40}))
+    while not engine.call(lambda: bool(engine.scheduler.running) and engine.steps > 3).result(10):
+        await asyncio.sleep(0.01)
+    await client.pause("in_place")
+    await client.update_weights_from_tensor(serialize_named_tensors([(EMBED, _new_embed(service))]),
+                                            weight_version="1")
+    await client.resume_generation()
+    first = await pending
+    assert [run["version"] for run in first["meta_info"]["weight_versions"]] == ["0", "1"]
+    # its KV mixes old- and new-weight tokens: dropped, not cached under version 1
+    assert engine.prefix_cache.cached_tokens == 0
+    probe = PROMPT + first["output_ids"][:10]
+    assert engine.call(lambda: engine.prefix_cache.export(probe)[0]).result(10) == 0
+    again = await client.generate(probe, SHORT)
+    assert again["meta_info"]["cached_tokens"] == 0
+    # KV computed wholly under the new weights is cached as usual, and matches a fresh prefill
+    cached = await client.generate(probe, SHORT)
+    assert cached["meta_info"]["cached_tokens"] > 0
+    await client.flush_cache()
+    fresh = await client.generate(probe, SHORT)
+    assert fresh["meta_info"]["cached_tokens"] == 0
+    assert again["output_ids"] == cached["output_ids"] == fresh["output_ids"]
