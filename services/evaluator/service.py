@@ -32,7 +32,7 @@ from libs.common.events import (
 
 from .adapters import workspace
 from .adapters.catalog import TaskCatalog, TaskSpecError
-from .adapters.judge_client import JudgeClient, JudgeFailed
+from .adapters.judge_client import JudgeClient, JudgeFailed, JudgeUnreachable
 from .adapters.plugin_scorers import Scorer
 from .adapters.sandbox import Sandbox
 from .adapters.snapshot import UnpackLimits, UnsafeSnapshot, unpack_snapshot
@@ -51,6 +51,7 @@ from .core.spec import TaskEvaluatorSpec
 from .settings import EvaluatorSettings
 
 log = logging.getLogger(__name__)
+_MARGIN_S = 60.0  # of the ack wait, kept for fetching, unpacking, plugin scorers and publishing
 ScoreEvent = RolloutScored | RolloutScoringFailed
 
 
@@ -79,6 +80,11 @@ class Evaluator:
 
     async def start(self) -> str:
         """Prepare the scratch folder and pick the sandbox; returns the isolation in force."""
+        if self.judge is not None and self.judge.time_budget_s() >= self.settings.ack_wait_s:
+            raise ValueError(
+                f"the judge may take {self.judge.time_budget_s():g}s (attempts x timeout_s + backoff), not under "
+                f"ack_wait_s ({self.settings.ack_wait_s:g}s): a rollout would be redelivered and scored twice; "
+                "raise GYRE_EVALUATOR_ACK_WAIT_S or lower the judge's timeout_s/attempts")
         root = self.settings.work_root
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o711)  # sandbox uids must reach their folder, not list the others
@@ -95,6 +101,7 @@ class Evaluator:
         try:
             try:
                 spec = await self._spec_for(ended)
+                self._check_time_budget(spec)
                 data = await self._snapshot(ended)
             except (_Unscorable, TransientError):
                 raise
@@ -108,7 +115,7 @@ class Evaluator:
                 await asyncio.to_thread(unpack_snapshot, data, workdir, self._unpack_limits())
             except UnsafeSnapshot as exc:
                 raise _Unscorable(f"unusable snapshot: {exc}") from exc
-            return await self._score(ended, spec, workdir)
+            return await self._score(ended, spec, workdir, may_retry=may_retry)
         except TransientError:
             raise
         except _Unscorable as exc:
@@ -119,7 +126,27 @@ class Evaluator:
             return failed_event(ended, f"internal error: {exc!r}")
         finally:
             if workdir is not None and not self.settings.keep_workdirs:
-                await asyncio.to_thread(workspace.remove_tree, workdir)
+                await self._remove_workdir(workdir)
+
+    def _check_time_budget(self, spec: TaskEvaluatorSpec) -> None:
+        """A scoring that can outlast the bus's ack wait is redelivered while it runs and
+        scored twice, so such a task is refused outright."""
+        budget = spec.limits.wall_s
+        if spec.combine.uses_judge and self.judge is not None:
+            budget += self.judge.time_budget_s()
+        if budget + _MARGIN_S >= self.settings.ack_wait_s:
+            raise _Unscorable(
+                f"task {spec.task_id}: limits.wall_s ({spec.limits.wall_s:g}s) plus the judge's time comes to "
+                f"{budget:g}s, not safely under the evaluator's ack_wait_s ({self.settings.ack_wait_s:g}s, "
+                f"{_MARGIN_S:g}s kept for unpacking and scoring): lower the task's wall_s or raise "
+                "GYRE_EVALUATOR_ACK_WAIT_S")
+
+    async def _remove_workdir(self, workdir: Path) -> None:
+        """Best effort: a workspace that cannot be deleted costs disk space, never the outcome."""
+        try:
+            await asyncio.to_thread(workspace.remove_tree, workdir)
+        except Exception as exc:
+            log.error("evaluator: could not delete the scratch workspace %s (delete it by hand): %r", workdir, exc)
 
     async def _spec_for(self, ended: RolloutEnded) -> TaskEvaluatorSpec:
         task_id = getattr(ended, "task_id", None) or await self._task_of(ended)
@@ -145,7 +172,9 @@ class Evaluator:
 
     async def _snapshot(self, ended: RolloutEnded) -> bytes:
         if ended.snapshot_digest is None:
-            raise _Unscorable("no workspace snapshot in the ended event")
+            raise _Unscorable("no workspace snapshot in the ended event: the runner could not take or store it "
+                              "(more files than its snapshot_max_bytes, or the blob store failing); the runner's "
+                              "log and the rollout's log say which")
         try:
             return await self.store.get(ended.snapshot_digest)
         except KeyError as exc:  # BlobNotFound
@@ -157,7 +186,8 @@ class Evaluator:
         s = self.settings
         return UnpackLimits(s.max_snapshot_bytes, s.max_unpacked_bytes, s.max_members)
 
-    async def _score(self, ended: RolloutEnded, spec: TaskEvaluatorSpec, workdir: Path) -> ScoreEvent:
+    async def _score(self, ended: RolloutEnded, spec: TaskEvaluatorSpec, workdir: Path, *,
+                     may_retry: bool = False) -> ScoreEvent:
         policy = spec.combine
         view = await asyncio.to_thread(workspace.describe, workdir) if policy.uses_judge else ""
         verdict: TestsVerdict | None = None
@@ -166,7 +196,7 @@ class Evaluator:
             verdict, isolation = await self._run_tests(spec, workdir)
         judge_score, judge_error = None, None
         if policy.uses_judge:
-            judge_score, judge_error = await self._ask_judge(spec, view, verdict)
+            judge_score, judge_error = await self._ask_judge(spec, view, verdict, may_retry=may_retry)
         result = combine(policy, verdict, judge_score, judge_error)
         if isinstance(result, str):
             return failed_event(ended, result)
@@ -220,13 +250,17 @@ class Evaluator:
         return got
 
     async def _ask_judge(
-        self, spec: TaskEvaluatorSpec, view: str, verdict: TestsVerdict | None
+        self, spec: TaskEvaluatorSpec, view: str, verdict: TestsVerdict | None, *, may_retry: bool = False
     ) -> tuple[float | None, str | None]:
         if self.judge is None:
             return None, "no judge configured"
         summary = verdict.reason if verdict else None
         try:
             return await self.judge.score(build_messages(spec, view, summary)), None
+        except JudgeUnreachable as exc:
+            if may_retry:  # the judge is down, not the rollout bad: score it on a later delivery
+                raise TransientError(f"judge unreachable: {exc}") from exc
+            return None, str(exc)
         except JudgeFailed as exc:
             return None, str(exc)
 
@@ -243,6 +277,8 @@ class Evaluator:
         self._claimed[event.event_id] = None
         _bound(self._claimed)
         try:
+            if await self._already_scored(event):
+                return
             outcome = await self.evaluate(event, may_retry=delivery.num_delivered < self.consumer_config().max_deliver)
             await self.bus.publish(outcome)  # ack (by returning) only once it is stored
         except BaseException:
@@ -250,6 +286,17 @@ class Evaluator:
             raise
         self._tasks.pop(event.rollout_id, None)
         self.counts["scored" if isinstance(outcome, RolloutScored) else "failed"] += 1
+
+    async def _already_scored(self, ended: RolloutEnded) -> bool:
+        """An outcome already in the log (a redelivery after a crash, or after the ack wait
+        ran out once the bus's de-duplication window had passed): don't score it twice."""
+        token = subject_token(ended.rollout_id)
+        for kind in (RolloutScored, RolloutScoringFailed):
+            subject = f"gyre.{ended.run_id}.{Context.SCORES.value}.{kind.TYPE}.{token}"
+            if await self.bus.last_on_subject(Context.SCORES, subject) is not None:
+                log.info("evaluator: rollout %s already has a %s; not scored again", ended.rollout_id, kind.TYPE)
+                return True
+        return False
 
     def consumer_config(self) -> ConsumerConfig:
         run = self.settings.run_id or "*"

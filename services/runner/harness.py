@@ -3,8 +3,8 @@ files, rendered per rollout. The base URL and the key reach the harness in envir
 variables (the key never in ``argv``, where ``ps`` would show it).
 
 Placeholders: ``{python}`` (this interpreter), ``{repo}`` (Gyre's checkout, for
-``PYTHONPATH``), ``{workspace}``, ``{home}``, ``{prompt_file}``, ``{prompt}`` (the task text),
-``{base_url}`` (``<proxy>/r/<rollout>``), ``{openai_base_url}`` (``{base_url}/v1``),
+``PYTHONPATH`` when Gyre is not installed), ``{workspace}``, ``{home}``, ``{prompt_file}``,
+``{prompt}`` (the task text), ``{base_url}`` (``<proxy>/r/<rollout>``), ``{openai_base_url}`` (``{base_url}/v1``),
 ``{model}``, ``{rollout_id}``, ``{max_turns}``; in ``env`` and ``files`` also ``{api_key}``.
 
 Every harness gets ``GYRE_BASE_URL``, ``GYRE_API_KEY``, ``OPENAI_BASE_URL``,
@@ -14,6 +14,7 @@ what their client needs (shared/notes/agent-clients.md). See services/runner/REA
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import shutil
 import sys
@@ -71,12 +72,25 @@ def _base_env() -> dict[str, str]:
 
 def gyre_agent(api: str = "openai", *extra: str) -> HarnessConfig:
     """The reference harness (``gyre agent``, services/runner/agent)."""
+    env = {"PYTHONDONTWRITEBYTECODE": "1"}
+    if not _gyre_installed():
+        env["PYTHONPATH"] = "{repo}"  # a bare checkout: the package is importable only from there
     return HarnessConfig(
         name="gyre_agent",
         command=("{python}", "-m", "services.runner.agent", "--api", api, "--workspace", "{workspace}",
                  "--prompt-file", "{prompt_file}", "--model", "{model}", "--max-turns", "{max_turns}", *extra),
-        env={"PYTHONPATH": "{repo}", "PYTHONDONTWRITEBYTECODE": "1"},
+        env=env,
     )
+
+
+def _gyre_installed() -> bool:
+    """Gyre is installed into this interpreter (``pip install [-e] .``), so the agent imports
+    without the checkout on its path. (Not a wall: the agent's shell can still read files.)"""
+    try:
+        importlib.metadata.distribution("gyre")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
 
 
 MINI_SWE_AGENT = HarnessConfig(

@@ -10,26 +10,29 @@ the workspace into the blob store, publish ``RolloutFinished`` / ``RolloutTimedO
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
+import math
 import secrets
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 from libs.common.bus.port import BlobStore, EventBus
 
 from . import core
 from .adapters import workspace
-from .adapters.process import HarnessProcess, launch
+from .adapters.process import MARK_VAR, HarnessProcess, kill_marked, launch
 from .adapters.snapshot import SnapshotTooLarge, snapshot_workspace
 from .harness import HarnessConfig, gyre_agent, render
 from .tasks import Task
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,20 @@ class RunnerConfig:
     time_limit_scale: float = 1.0  # multiplies each task's time limit
     keep_workspaces: bool = False
     snapshot_max_bytes: int = 256 * 2**20
+    io_attempts: int = 5  # tries for each blob-store put and bus publish
+    io_backoff_s: float = 0.5  # wait before the second try; doubled for each further one
+
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.time_limit_scale) and self.time_limit_scale > 0):
+            raise ValueError(f"time_limit_scale must be a finite number > 0, not {self.time_limit_scale!r}")
+        if self.io_attempts < 1 or not self.io_backoff_s >= 0:
+            raise ValueError(f"io_attempts must be >= 1 and io_backoff_s >= 0, got {self.io_attempts}, "
+                             f"{self.io_backoff_s}")
+
+
+class RolloutLost(RuntimeError):
+    """The bus would not take a rollout's event, even after retries."""
 
 
 @dataclass(frozen=True)
@@ -117,7 +134,12 @@ class RolloutRunner:
         self.running[state.plan.rollout_id] = new
         for effect in effects:
             if isinstance(effect, core.Publish):
-                await self.bus.publish(effect.event)
+                event = effect.event  # its id is derived from the rollout id: a retry is de-duplicated
+                what = f"publishing {event.TYPE} of rollout {state.plan.rollout_id}"
+                try:
+                    await self._retry(what, lambda: self.bus.publish(event))
+                except Exception as exc:
+                    raise RolloutLost(f"{what} failed {self.config.io_attempts} times: {exc!r}") from exc
             elif isinstance(effect, core.KillGroup) and proc is not None:
                 status = await proc.kill_group(self.config.kill_grace_s)
                 new = core.evolve(new, core.Exited(status, self.clock()))
@@ -146,6 +168,11 @@ class RolloutRunner:
         finally:
             if proc is not None and proc.proc.returncode is None:  # cancelled: leave nothing running
                 await proc.kill_group(0.1)
+            if proc is not None:  # and what left the group, so nothing writes after the snapshot
+                strays = await asyncio.to_thread(kill_marked, state.plan.rollout_id)
+                if strays:
+                    log.info("rollout %s: killed %d process(es) that outlived the harness's group",
+                             state.plan.rollout_id, strays)
         digest = await self._snapshot(dirs)
         return await self._apply(state, core.Snapshotted(digest, self.clock()))
 
@@ -157,18 +184,49 @@ class RolloutRunner:
                   "model": self.config.model, "rollout_id": plan.rollout_id,
                   "max_turns": str(task.max_turns or self.config.max_turns)}
         rendered = render(harness, values, api_key)
+        rendered.env[MARK_VAR] = plan.rollout_id  # how kill_marked finds what outlives the group
         for path, text in rendered.files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")
         return await launch(rendered.argv, cwd=dirs.workspace, env=rendered.env, log_file=dirs.log_file)
 
     async def _snapshot(self, dirs: workspace.RolloutDirs) -> str | None:
+        """The snapshot's digest, or None (the rollout still ends; the reason goes to the
+        runner's log and the rollout's log, whose tail is in the outcome)."""
         try:
             data = await asyncio.to_thread(snapshot_workspace, dirs.workspace, max_bytes=self.config.snapshot_max_bytes)
-        except (OSError, SnapshotTooLarge) as exc:
-            log.warning("snapshot of %s failed: %s", dirs.root.name, exc)
-            return None
-        return await self.blobs.put(data)
+        except SnapshotTooLarge as exc:
+            return self._no_snapshot(dirs, f"{exc} (the runner's snapshot_max_bytes)")
+        except OSError as exc:
+            return self._no_snapshot(dirs, f"could not take it: {exc}")
+        try:
+            return await self._retry(f"storing the snapshot of rollout {dirs.root.name}", lambda: self.blobs.put(data))
+        except Exception as exc:
+            return self._no_snapshot(dirs, f"the blob store refused it {self.config.io_attempts} times: {exc!r}")
+
+    @staticmethod
+    def _no_snapshot(dirs: workspace.RolloutDirs, reason: str) -> None:
+        log.warning("rollout %s: no workspace snapshot: %s", dirs.root.name, reason)
+        with contextlib.suppress(OSError), dirs.log_file.open("a") as f:
+            f.write(f"gyre runner: no workspace snapshot: {reason}\n")
+        return None
+
+    async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """``attempt()``, tried up to ``io_attempts`` times with a doubling backoff; the last
+        failure is raised."""
+        delay = self.config.io_backoff_s
+        for n in range(1, self.config.io_attempts + 1):
+            try:
+                return await attempt()
+            except Exception as exc:
+                if n >= self.config.io_attempts:
+                    log.error("%s failed %d times, giving up: %r", what, n, exc)
+                    raise
+                log.warning("%s failed (try %d of %d, again in %.1f s): %r", what, n, self.config.io_attempts,
+                            delay, exc)
+            await asyncio.sleep(delay)
+            delay *= 2
+        raise AssertionError("unreachable")
 
 
 def _outcome(state: core.RolloutState, tail: str) -> RolloutOutcome:

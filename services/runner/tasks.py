@@ -21,6 +21,7 @@ from typing import Any, Literal
 import yaml
 
 Split = Literal["train", "heldout"]
+MAX_TIME_LIMIT_S = 86400
 _TASK_ID = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_\-]{0,63}$")  # also a NATS subject token (no dots)
 
 
@@ -38,6 +39,11 @@ class Task:
     level: int = 1  # 1: one function ... 3: a small multi-file package
     max_turns: int | None = None  # a hint for the harness's turn budget
     metadata: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)  # free-form, from task.yaml
+
+    def __post_init__(self) -> None:
+        if not _is_number(self.time_limit_s) or not 0 < self.time_limit_s <= MAX_TIME_LIMIT_S:
+            raise TaskError(f"task {self.task_id}: time_limit_s must be a number of seconds in "
+                            f"(0, {MAX_TIME_LIMIT_S}], not {self.time_limit_s!r}")
 
 
 def default_tasks_dir() -> Path:
@@ -61,9 +67,28 @@ def load_task(folder: Path) -> Task:
     metadata = doc.get("metadata") or {}
     if not isinstance(metadata, dict):
         raise TaskError(f"task {task_id}: metadata must be a mapping")
-    return Task(task_id=task_id, prompt=doc["prompt"].strip() + "\n", time_limit_s=float(doc.get("time_limit_s", 300)),
-                split=split, files_dir=files if files.is_dir() else None, level=int(doc.get("level", 1)),
-                max_turns=int(doc["max_turns"]) if doc.get("max_turns") else None, metadata=metadata)
+    # the same rules as a JSONL/Parquet task set (libs/common/tasksets.py)
+    time_limit = doc.get("time_limit_s", 300)
+    if not _is_number(time_limit) or not 0 < time_limit <= MAX_TIME_LIMIT_S:
+        raise TaskError(f"task {task_id}: time_limit_s must be a number of seconds in (0, {MAX_TIME_LIMIT_S}], "
+                        f"not {time_limit!r}")
+    level = doc.get("level", 1)
+    if not _is_int(level) or level < 1:
+        raise TaskError(f"task {task_id}: level must be an integer >= 1, not {level!r}")
+    max_turns = doc.get("max_turns")
+    if max_turns is not None and (not _is_int(max_turns) or max_turns < 1):
+        raise TaskError(f"task {task_id}: max_turns must be an integer >= 1, not {max_turns!r}")
+    return Task(task_id=task_id, prompt=doc["prompt"].strip() + "\n", time_limit_s=float(time_limit),
+                split=split, files_dir=files if files.is_dir() else None, level=level,
+                max_turns=max_turns, metadata=metadata)
+
+
+def _is_number(value: Any) -> bool:  # NaN fails every comparison, so the range check rejects it
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def load_tasks(root: Path | None = None, *, split: Split | None = None) -> list[Task]:

@@ -10,6 +10,7 @@ of the sandbox is left, and honest tests scored honestly.
 
 from __future__ import annotations
 
+import os
 import socket
 import sys
 import uuid
@@ -241,3 +242,28 @@ async def test_filling_the_disk_stops_the_run(make_harness, work_root: Path):
                                         limits=Limits(wall_s=30, max_file_mb=8, max_disk_mb=32))
     assert run.killed_by == "disk limit (32 MB)" and run.duration_s < 10
     remove_tree(folder)
+
+
+async def test_uid_mode_kills_a_daemon_that_left_the_group_before_the_slot_is_reused(make_harness, work_root: Path):
+    if os.geteuid() != 0:
+        pytest.skip("uid mode needs root")
+    h = await make_harness(isolation="uid", workers=1)
+    folder = work_root / f"uid-daemon-{uuid.uuid4().hex[:6]}"
+    folder.mkdir()
+    daemon = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
+              "        open('daemon.pid', 'w').write(str(os.getpid()))\n        time.sleep(60)\n    os._exit(0)\n"
+              "time.sleep(0.3)\nprint('parent done')")
+    run = await h.evaluator.sandbox.run([sys.executable, "-c", daemon], workdir=folder, env={},
+                                        limits=Limits(wall_s=30))
+    pid = int((folder / "daemon.pid").read_text())
+    assert run.exit_code == 0 and run.duration_s < 10
+    assert not _running(pid), "the daemon of a uid-mode run outlived it"
+    assert [p for p in _sandbox_processes(h) if _running(p)] == []
+    remove_tree(folder)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False

@@ -74,3 +74,42 @@ def test_bad_task_folder(tmp_path) -> None:
     (tmp_path / "t1" / "task.yaml").write_text("split: train\n")
     with pytest.raises(TaskError):
         load_task(tmp_path / "t1")
+
+
+@pytest.mark.parametrize("line, message", [
+    ("time_limit_s: abc", "time_limit_s must be a number of seconds in (0, 86400], not 'abc'"),
+    ("time_limit_s: .inf", "time_limit_s must be a number of seconds in (0, 86400], not inf"),
+    ("time_limit_s: .nan", "time_limit_s must be a number of seconds in (0, 86400], not nan"),
+    ("time_limit_s: 0", "time_limit_s must be a number of seconds in (0, 86400], not 0"),
+    ("time_limit_s: -5", "time_limit_s must be a number of seconds in (0, 86400], not -5"),
+    ("time_limit_s: 86401", "not 86401"),
+    ("time_limit_s: true", "not True"),
+    ("level: x", "level must be an integer >= 1, not 'x'"),
+    ("level: 0", "level must be an integer >= 1, not 0"),
+    ("max_turns: many", "max_turns must be an integer >= 1, not 'many'"),
+    ("max_turns: 0", "max_turns must be an integer >= 1, not 0"),
+    ("max_turns: 2.5", "max_turns must be an integer >= 1, not 2.5"),
+])
+def test_bad_numbers_in_task_yaml_name_the_task_and_field(tmp_path, line, message) -> None:
+    folder = tmp_path / "t1"
+    folder.mkdir()
+    (folder / "task.yaml").write_text(f"prompt: hi\n{line}\n")
+    with pytest.raises(TaskError) as err:
+        load_task(folder)
+    assert str(err.value).startswith("task t1: ") and message in str(err.value)
+
+
+def test_good_numbers_in_task_yaml(tmp_path) -> None:
+    folder = tmp_path / "t1"
+    folder.mkdir()
+    (folder / "task.yaml").write_text("prompt: hi\ntime_limit_s: 2.5\nlevel: 3\nmax_turns: 7\n")
+    t = load_task(folder)
+    assert (t.time_limit_s, t.level, t.max_turns) == (2.5, 3, 7)
+
+
+@pytest.mark.parametrize("limit", [float("inf"), float("nan"), 0.0, -1.0])
+def test_a_task_built_in_code_needs_a_real_time_limit(limit) -> None:
+    from services.runner.tasks import Task
+
+    with pytest.raises(TaskError, match="task demo: time_limit_s must be"):
+        Task("demo", "hi\n", time_limit_s=limit)

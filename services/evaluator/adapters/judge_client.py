@@ -19,6 +19,11 @@ class JudgeFailed(RuntimeError):
     """No usable score after all attempts; the message says why (last error)."""
 
 
+class JudgeUnreachable(JudgeFailed):
+    """Every attempt failed to get an answer at all (timeout, connection, HTTP 429/5xx):
+    the judge, not the rollout, is at fault, and a later try may succeed."""
+
+
 @dataclass(frozen=True)
 class JudgeConfig:
     base_url: str  # e.g. http://127.0.0.1:8000/v1
@@ -43,7 +48,7 @@ class JudgeClient:
 
     async def score(self, messages: list[dict[str, str]]) -> float:
         cfg = self.config
-        last = "no attempt made"
+        last, answered = "no attempt made", False
         for attempt in range(1, cfg.attempts + 1):
             try:
                 return await self._once(messages)
@@ -51,9 +56,15 @@ class JudgeClient:
                 raise JudgeFailed(str(exc)) from exc
             except _Retry as exc:
                 last = str(exc)
+                answered = answered or not exc.unreachable
             if attempt < cfg.attempts:
                 await asyncio.sleep(cfg.backoff_s * 2 ** (attempt - 1))
-        raise JudgeFailed(f"{last} (after {cfg.attempts} attempts)")
+        raise (JudgeFailed if answered else JudgeUnreachable)(f"{last} (after {cfg.attempts} attempts)")
+
+    def time_budget_s(self) -> float:
+        """The longest ``score`` can take: every attempt timing out, plus the backoffs."""
+        cfg = self.config
+        return cfg.attempts * cfg.timeout_s + sum(cfg.backoff_s * 2 ** (a - 1) for a in range(1, cfg.attempts))
 
     async def _once(self, messages: list[dict[str, str]]) -> float:
         cfg = self.config
@@ -64,11 +75,11 @@ class JudgeClient:
                 cfg.base_url.rstrip("/") + "/chat/completions", json=body, headers=headers, timeout=cfg.timeout_s
             )
         except httpx.TimeoutException as exc:
-            raise _Retry(f"judge timed out after {cfg.timeout_s:g}s") from exc
+            raise _Retry(f"judge timed out after {cfg.timeout_s:g}s", unreachable=True) from exc
         except httpx.HTTPError as exc:
-            raise _Retry(f"judge unreachable: {exc!r}") from exc
+            raise _Retry(f"judge unreachable: {exc!r}", unreachable=True) from exc
         if resp.status_code == 429 or resp.status_code >= 500:
-            raise _Retry(f"judge answered HTTP {resp.status_code}")
+            raise _Retry(f"judge answered HTTP {resp.status_code}", unreachable=True)
         if resp.status_code >= 400:
             raise _Fatal(f"judge refused the request: HTTP {resp.status_code}: {resp.text[:200]}")
         try:
@@ -82,7 +93,9 @@ class JudgeClient:
 
 
 class _Retry(Exception):
-    pass
+    def __init__(self, message: str, *, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable  # no answer at all (as opposed to a useless one)
 
 
 class _Fatal(Exception):

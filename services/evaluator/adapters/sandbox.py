@@ -11,7 +11,9 @@ chosen mode's description goes into every score event):
     concurrent sandbox, so the process limit is per sandbox), with no capabilities and
     ``no_new_privs`` (``setpriv``).
 ``uid`` (root, but namespaces refused): the own-uid part only; the network and
-    world-writable folders stay reachable.
+    world-writable folders stay reachable. With no PID namespace to end them, every
+    process of the slot's uid is killed before and after each run (a daemon that left
+    the process group would otherwise live on into the slot's next rollout).
 ``none`` (not root): the resource limits and the process group only.
 
 Every mode: its own session and process group (killed as a whole at the end), a
@@ -156,6 +158,16 @@ class Sandbox:
     def _execute(self, argv: list[str], workdir: Path, uid: int, env: dict[str, str], limits: Limits) -> SandboxRun:
         """Blocking (run in a thread): asyncio's wait() would also wait for the pipe,
         which a process that escaped the group could hold open for ever."""
+        if self.mode == "uid":
+            _kill_uid(uid)  # leftovers of an earlier evaluator that did not end cleanly
+            try:
+                return self._execute_once(argv, workdir, uid, env, limits)
+            finally:
+                _kill_uid(uid)
+        return self._execute_once(argv, workdir, uid, env, limits)
+
+    def _execute_once(self, argv: list[str], workdir: Path, uid: int, env: dict[str, str],
+                      limits: Limits) -> SandboxRun:
         started = time.monotonic()
         if self.mode != "none":
             _give_tree(workdir, uid)
@@ -307,6 +319,21 @@ def _disk_usage(root: Path) -> int:
 def _kill_group(pgid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
+
+
+# Run as the sandbox uid: kill(-1) reaches every process of that uid (never the caller),
+# and fails once none is left; repeated, since a process may fork until its signal lands.
+_KILL_ALL_SH = "i=0; while kill -9 -1 2>/dev/null && [ $i -lt 100 ]; do i=$((i+1)); done; exit 0"
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process running as ``uid`` (a sandbox slot's own uid, never shared)."""
+    drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    try:
+        subprocess.run([*drop, "/bin/sh", "-c", _KILL_ALL_SH], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, env=_clean_env({}), timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.error("sandbox: could not kill the processes of uid %d: %r", uid, exc)
 
 
 def _give_tree(root: Path, uid: int) -> None:

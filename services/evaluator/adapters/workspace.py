@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
@@ -19,8 +20,11 @@ _SKIP = {HIDDEN_DIR, CONTROL_DIR, ".git", "__pycache__", ".pytest_cache", "node_
 def prepare(workdir: Path, spec: TaskEvaluatorSpec) -> Path:
     """Add the hidden tests and a fresh control folder; returns the control folder.
 
-    Whatever the agent left under these names is replaced, so it cannot pre-seed results.
+    Whatever the agent left under these names, or at a custom command's ``junit_path``, is
+    removed first, so it cannot pre-seed results.
     """
+    if spec.junit_path:
+        clear_result_path(workdir, spec.junit_path)
     hidden, control = workdir / HIDDEN_DIR, workdir / CONTROL_DIR
     for folder in (hidden, control):
         if folder.is_symlink() or folder.is_file():
@@ -38,6 +42,47 @@ def prepare(workdir: Path, spec: TaskEvaluatorSpec) -> Path:
     for sub in ("home", "tmp"):
         (control / sub).mkdir()
     return control
+
+
+def clear_result_path(root: Path, rel: str) -> None:
+    """Remove whatever the agent left at ``rel`` (a result file the test command is to write).
+
+    No link is followed: each folder on the way is opened with ``O_NOFOLLOW``; a link or a
+    file standing where a folder should be is replaced by an empty folder, and whatever
+    sits at ``rel`` itself (file, link, FIFO or folder) is deleted. Refuses (ValueError) a
+    path that would leave ``root``.
+    """
+    parts = [p for p in Path(rel).parts if p not in ("", ".")]
+    if not parts or ".." in parts or Path(rel).is_absolute():
+        raise ValueError(f"result path {rel!r} must be relative and stay inside the workspace")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for i, part in enumerate(parts[:-1]):
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                break  # nothing below: nothing left to clear
+            except OSError:  # a link, a file or a FIFO where a folder should be
+                _remove_entry(fd, part, root.joinpath(*parts[: i + 1]))
+                os.mkdir(part, 0o755, dir_fd=fd)
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        else:
+            _remove_entry(fd, parts[-1], root.joinpath(*parts))
+    finally:
+        os.close(fd)
+
+
+def _remove_entry(dir_fd: int, name: str, path: Path) -> None:
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        remove_tree(path)  # every folder on the way was opened without following links
+    else:
+        os.unlink(name, dir_fd=dir_fd)
 
 
 # pytest is imported in isolated mode (-I: no PYTHONPATH, no current folder) *before* the
@@ -126,9 +171,27 @@ def describe(workdir: Path, *, budget: int = 24_000, max_files: int = 200) -> st
 
 
 def remove_tree(path: Path) -> None:
-    def unlock(func, p, _exc):  # a folder the agent made read-only
-        os.chmod(os.path.dirname(p), 0o700)
-        os.chmod(p, 0o700) if os.path.isdir(p) and not os.path.islink(p) else None
-        func(p)
+    """Delete a workspace, including folders the tests left unreadable or read-only.
+
+    On a failure, the folder holding the entry (never above ``path``) and the entry itself
+    are made accessible and the removal is retried once: a folder by removing it whole
+    again, anything else by unlinking it (links are not followed). A second failure on
+    the same entry raises.
+    """
+    top = os.path.abspath(path)
+    retried: set[str] = set()
+
+    def unlock(_func, p, exc_info) -> None:
+        if p in retried:
+            raise exc_info[1]
+        retried.add(p)
+        if os.path.abspath(p) != top:
+            with contextlib.suppress(OSError):
+                os.chmod(os.path.dirname(p), 0o700)
+        if os.path.isdir(p) and not os.path.islink(p):
+            os.chmod(p, 0o700)
+            shutil.rmtree(p, onerror=unlock)
+        elif os.path.lexists(p):
+            os.unlink(p)
 
     shutil.rmtree(path, onerror=unlock)

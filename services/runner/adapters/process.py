@@ -44,6 +44,37 @@ class HarnessProcess:
         self.signal_group(signal.SIGKILL)
 
 
+MARK_VAR = "GYRE_ROLLOUT_ID"  # set in every harness's environment; inherited by what it starts
+
+
+def kill_marked(mark: str, *, passes: int = 5) -> int:
+    """SIGKILL every process of ours whose environment carries ``GYRE_ROLLOUT_ID=<mark>``:
+    what a harness started in a session or group of its own (a tool's shell, a server it
+    forgot) and so outlived the group kill. Linux only (reads /proc); a process that
+    cleared its environment, or runs as another user, is not found. Returns how many."""
+    needle = f"{MARK_VAR}={mark}".encode()
+    me, killed = os.getpid(), 0
+    for _ in range(passes):  # again while it finds some: a process may fork while we look
+        found = 0
+        with contextlib.suppress(OSError):
+            for entry in os.scandir("/proc"):
+                if not entry.name.isdigit() or int(entry.name) == me:
+                    continue
+                try:
+                    with open(f"/proc/{entry.name}/environ", "rb") as f:
+                        env = f.read().split(b"\0")
+                except OSError:  # gone, or not ours to read
+                    continue
+                if needle in env:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(int(entry.name), signal.SIGKILL)
+                        found += 1
+        killed += found
+        if not found:
+            break
+    return killed
+
+
 async def launch(argv: list[str], *, cwd: Path, env: dict[str, str], log_file: Path) -> HarnessProcess:
     """Start a harness; raises OSError when the program cannot be started."""
     with log_file.open("ab") as log:

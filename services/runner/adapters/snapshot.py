@@ -1,6 +1,8 @@
 """The workspace as a tar archive (gzip), made reproducibly: members sorted, times,
 owners and permissions beyond the executable bit normalised, so the same files give the
-same digest. Caches (``__pycache__``, ``.pytest_cache``) are left out; devices, FIFOs and
+same digest. Caches (``__pycache__``, ``.pytest_cache``, ...) and installed dependencies
+(``.venv``, ``node_modules``: large, and rebuilt from the project's files) are left out at
+any depth, ``.git`` is kept; devices, FIFOs and
 sockets cannot be archived and are skipped. Links are stored as links; the evaluator
 checks where they point when it unpacks."""
 
@@ -13,7 +15,7 @@ import stat
 import tarfile
 from pathlib import Path
 
-SKIP_DIRS = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"})
+SKIP_DIRS = frozenset({"__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache", ".venv", "node_modules"})
 
 
 class SnapshotTooLarge(ValueError):

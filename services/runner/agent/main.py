@@ -11,12 +11,15 @@ The base URL and key default to ``GYRE_BASE_URL`` / ``GYRE_API_KEY`` (else the
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .loop import AgentConfig, run_agent
-from .tools import ToolLimits, Workspace
+from .tools import ToolLimits, Workspace, kill_commands
 from .wire import HttpModelApi
 
 
@@ -54,8 +57,24 @@ def _endpoint(args: argparse.Namespace) -> tuple[str | None, str | None]:
     return base, key
 
 
+def _stop_commands_with_the_agent() -> None:
+    """The runner ends a rollout by signalling the agent's process group; the run tool's
+    commands have groups of their own, so the agent takes them down itself."""
+    atexit.register(kill_commands)
+    if threading.current_thread() is not threading.main_thread():
+        return  # called from a thread (embedded): signals stay the host's business
+
+    def on_term(signum: int, _frame) -> None:
+        kill_commands()
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGHUP, on_term)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    _stop_commands_with_the_agent()
     base, key = _endpoint(args)
     if not base or not key:
         print("gyre agent: no base URL or API key (set GYRE_BASE_URL and GYRE_API_KEY)", file=sys.stderr)

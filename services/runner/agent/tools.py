@@ -1,5 +1,14 @@
-"""The agent's tools, confined to its workspace, with limits on what they read, write
-and run. Each returns (text, is_error); none raises on bad input from the model."""
+"""The agent's tools, with limits on what they read, write and run. Each returns
+(text, is_error); none raises on bad input from the model.
+
+``list_files``, ``read_file`` and ``write_file`` take paths inside the workspace only.
+``run`` is a plain ``/bin/sh`` in the workspace, with this process's user and rights: it
+can read and write anything they can (see services/runner/README.md, "Isolation").
+Each command gets a process group of its own (so its timeout kills its children too);
+``kill_commands`` kills every group started, and ``main`` calls it on SIGTERM and at exit,
+so nothing a command left running outlives the agent. A command that leaves its group
+(``setsid``) escapes that; only running the harness under a uid of its own stops it.
+"""
 
 from __future__ import annotations
 
@@ -121,11 +130,12 @@ class Workspace:
         timeout = min(max(1.0, timeout), self.limits.max_run_timeout_s)
         proc = subprocess.Popen(["/bin/sh", "-c", command], cwd=self.root, stdin=subprocess.DEVNULL,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+        _command_groups.add(proc.pid)  # background jobs it leaves live on until the agent ends
         try:
             out, _ = proc.communicate(timeout=timeout)
             status = f"exit status {proc.returncode}"
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group(proc.pid)
             out, _ = proc.communicate()
             status = f"killed after {timeout:g} s"
         return f"{status}\n{_clip(out.decode('utf-8', 'replace'), self.limits.output_chars)}"
@@ -133,6 +143,23 @@ class Workspace:
 
 class ToolError(ValueError):
     pass
+
+
+_command_groups: set[int] = set()  # process groups of the run tool's commands, this process's lifetime
+
+
+def kill_commands() -> None:
+    """SIGKILL every process group ``run`` started (safe to call from a signal handler)."""
+    for pgid in list(_command_groups):
+        _kill_group(pgid)
+        _command_groups.discard(pgid)
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _number(value: Any, default: float) -> float:

@@ -1,0 +1,129 @@
+"""A failing blob store or bus does not leave a rollout without an end (review finding 5):
+the snapshot put and every publish are retried; a snapshot that cannot be stored ends the
+rollout without one (the reason in its log); a bus that never takes the ended event is a
+clear error, and retries of it are de-duplicated by its fixed event id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from libs.common.blobs import MemoryBlobStore
+from libs.common.bus.memory import InMemoryBus
+from libs.common.events import Context, RolloutFinished
+from services.runner.harness import HarnessConfig
+from services.runner.runner import RolloutLost, RolloutRunner, RunnerConfig
+from services.runner.tasks import Task
+
+HARNESS = HarnessConfig("sh", ("/bin/sh", "-c", "echo hi > a.txt"))
+
+
+class FlakyBlobs(MemoryBlobStore):
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures, self.calls = failures, 0
+
+    async def put(self, data: bytes) -> str:
+        self.calls += 1
+        if self.calls <= self.failures:
+            raise ConnectionError("object store timeout")
+        return await super().put(data)
+
+
+@dataclass
+class FlakyBus(InMemoryBus):
+    fail_type: str = "RolloutFinished"
+    failures: int = 0
+    attempts: int = 0
+
+    async def publish(self, event, **kw):
+        if event.TYPE == self.fail_type:
+            self.attempts += 1
+            if self.attempts <= self.failures:
+                if self.attempts == 1:
+                    await super().publish(event, **kw)  # stored, but the ack was lost: the retry is a duplicate
+                raise ConnectionError("nats: timeout")
+        return await super().publish(event, **kw)
+
+
+def runner(tmp_path, bus, blobs, **kw) -> RolloutRunner:
+    config = RunnerConfig("r", "http://proxy:1", tmp_path / "work", harness=HARNESS, io_backoff_s=0.0, **kw)
+    return RolloutRunner(config, bus=bus, blobs=blobs)
+
+
+async def ended_events(bus) -> list:
+    return [d.event async for d in bus.read(Context.ROLLOUTS) if isinstance(d.event, RolloutFinished)]
+
+
+async def test_a_blob_store_that_recovers_gets_the_snapshot(tmp_path) -> None:
+    bus, blobs = InMemoryBus(), FlakyBlobs(failures=2)
+    [o] = await runner(tmp_path, bus, blobs).run_step(0, [Task("demo", "hi\n", time_limit_s=10)], 1)
+    assert o.snapshot_digest is not None and blobs.calls == 3
+    [ended] = await ended_events(bus)
+    assert ended.snapshot_digest == o.snapshot_digest
+
+
+async def test_a_blob_store_that_stays_down_still_ends_the_rollout_with_a_reason(tmp_path) -> None:
+    bus, blobs = InMemoryBus(), FlakyBlobs(failures=100)
+    outcomes = await runner(tmp_path, bus, blobs, io_attempts=3).run_step(
+        0, [Task("demo", "hi\n", time_limit_s=10)], 2)
+    assert [o.snapshot_digest for o in outcomes] == [None, None] and blobs.calls == 6
+    assert all("no workspace snapshot: the blob store refused it 3 times" in o.log_tail for o in outcomes)
+    ended = await ended_events(bus)
+    assert sorted(e.rollout_id for e in ended) == sorted(o.rollout_id for o in outcomes)
+    assert all(e.snapshot_digest is None for e in ended)
+
+
+async def test_the_ended_event_is_retried_and_stored_once(tmp_path) -> None:
+    bus = FlakyBus(failures=2)
+    [o] = await runner(tmp_path, bus, MemoryBlobStore()).run_step(0, [Task("demo", "hi\n", time_limit_s=10)], 1)
+    [ended] = await ended_events(bus)
+    assert bus.attempts == 3 and ended.event_id == f"{o.rollout_id}-ended"
+
+
+async def test_a_bus_that_never_takes_the_ended_event_is_a_clear_error(tmp_path) -> None:
+    bus = FlakyBus(failures=100)
+    with pytest.raises(RolloutLost, match=r"publishing RolloutFinished of rollout s0-demo-0-\w+ failed 3 times"):
+        await runner(tmp_path, bus, MemoryBlobStore(), io_attempts=3).run_step(
+            0, [Task("demo", "hi\n", time_limit_s=10)], 1)
+
+
+def test_retry_settings_are_checked(tmp_path) -> None:
+    with pytest.raises(ValueError, match="io_attempts must be >= 1"):
+        RunnerConfig("r", "http://proxy:1", tmp_path, io_attempts=0)
+
+
+async def test_installed_dependencies_are_left_out_and_an_oversized_workspace_says_why(tmp_path) -> None:
+    import io
+    import tarfile
+
+    script = ("mkdir -p .venv/lib node_modules/x sub/node_modules .git && head -c 5000 /dev/zero > .venv/lib/big "
+              "&& head -c 5000 /dev/zero > node_modules/x/big && echo y > sub/node_modules/y && echo ref > .git/HEAD "
+              "&& echo hi > a.txt")
+    bus, blobs = InMemoryBus(), MemoryBlobStore()
+    config = RunnerConfig("r", "http://proxy:1", tmp_path / "w1", snapshot_max_bytes=4000,
+                          harness=HarnessConfig("sh", ("/bin/sh", "-c", script)))
+    r = RolloutRunner(config, bus=bus, blobs=blobs)
+    [o] = await r.run_step(0, [Task("demo", "hi\n", time_limit_s=10)], 1)
+    with tarfile.open(fileobj=io.BytesIO(await blobs.get(o.snapshot_digest))) as tar:
+        names = tar.getnames()
+    assert "a.txt" in names and ".git/HEAD" in names and "sub" in names
+    assert not [n for n in names if ".venv" in n or "node_modules" in n]
+
+    big = HarnessConfig("sh", ("/bin/sh", "-c", "head -c 5000 /dev/zero > big"))
+    r = RolloutRunner(RunnerConfig("r", "http://proxy:1", tmp_path / "w2", harness=big, snapshot_max_bytes=4000),
+                      bus=bus, blobs=blobs)
+    [o] = await r.run_step(0, [Task("demo", "hi\n", time_limit_s=10)], 1)
+    assert o.snapshot_digest is None
+    assert "no workspace snapshot: workspace has more than 4000 bytes of files (the runner's snapshot_max_bytes)" \
+        in o.log_tail
+
+
+def test_the_reference_agent_gets_the_checkout_on_its_path_only_when_gyre_is_not_installed(monkeypatch) -> None:
+    from services.runner import harness
+
+    monkeypatch.setattr(harness, "_gyre_installed", lambda: True)
+    assert "PYTHONPATH" not in harness.gyre_agent().env
+    monkeypatch.setattr(harness, "_gyre_installed", lambda: False)
+    assert harness.gyre_agent().env["PYTHONPATH"] == "{repo}"
