@@ -17,6 +17,9 @@ class TrainerState:
     weight_version: int = 0  # weights after ``weight_version`` updates
     consumed: dict[str, int] = field(default_factory=dict)  # stream -> last sequence folded in
     history: list[dict] = field(default_factory=list)  # per applied step: loss statistics
+    # the StepApplied of the step just applied, written with the checkpoint before it is
+    # published: a core killed in between publishes it on restart (if the log lacks it)
+    pending_applied: dict | None = None
 
 
 def save_checkpoint(folder: Path, state: TrainerState, weights: dict[str, torch.Tensor],

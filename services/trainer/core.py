@@ -86,6 +86,7 @@ class CoreTrainer:
         elif self.settings.checkpoint_dir:  # step 0's starting point, for replay
             save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
         self.reducer = StepReducer(self.state.step, self.state.weight_version)
+        await self._publish_pending()  # killed between its checkpoint and publishing it
         await self._publish_weights(cause=None)
 
     async def run(self, stop) -> None:
@@ -194,7 +195,10 @@ class CoreTrainer:
                 for q in plan.queued.values():
                     read[q.group_id] = read.get(q.group_id, 0) + 1
                 settled = sum(1 for g, n in plan.sizes.items() if read.get(g, 0) >= n)
-                if settled >= wanted and plan.groups <= set(plan.sizes):
+                # and no group of the step half read (a step re-run after a restart may hold
+                # more groups than groups_per_step: one still arriving is waited for)
+                if (settled >= wanted and plan.groups <= set(plan.sizes)
+                        and all(read.get(g, 0) >= n for g, n in plan.sizes.items())):
                     expected = len(plan.queued)
             elif len(plan.groups) >= wanted:  # a log written before the sizes were recorded
                 expected = len(plan.queued)
@@ -223,16 +227,32 @@ class CoreTrainer:
         plan = self.plans.pop(self.state.step)
         cause = plan.cause
         stats["rejected_samples"] = float(len(r.rejected))
-        await self.bus.publish(StepApplied(**cause.caused(
+        applied_ev = StepApplied(**cause.caused(
             event_id=_event_id(self.settings.run_id, "StepApplied", r.step), step=r.step,
             weight_version=self.state.weight_version, micro_steps_used=list(r.used),
-            micro_steps_dropped=list(r.dropped) + list(r.non_finite), loss=stats)))
+            micro_steps_dropped=list(r.dropped) + list(r.non_finite), loss=stats))
         self.state.history.append({"step": r.step, **stats})
         self.state.step += 1
         self.reducer = StepReducer(self.state.step, self.state.weight_version)
-        await self._publish_weights(cause)
+        # The checkpoint first: nothing of the new version (its StepApplied, its weights, so
+        # no micro-step computed on it) is in the log before it is on disk, so a core killed
+        # at any point resumes from a checkpoint the log has not gone past.
+        self.state.pending_applied = applied_ev.model_dump(mode="json")
         if self.settings.checkpoint_dir:
             save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
+        await self._publish_pending()
+        await self._publish_weights(cause)
+
+    async def _publish_pending(self) -> None:
+        """Publishes the checkpointed StepApplied unless the log has it already."""
+        data = self.state.pending_applied
+        if data is None:
+            return
+        ev = StepApplied.model_validate(data)
+        last = await self.bus.last_on_subject(Context.TRAINING, ev.subject)
+        if last is None or decode(last.data).step < ev.step:
+            await self.bus.publish(ev)
+        self.state.pending_applied = None
 
     async def _publish_weights(self, cause) -> None:
         from safetensors.torch import save

@@ -16,7 +16,7 @@ from libs.common.events import Context, MicroStepQueued, StepApplied
 from .backends.base import PolicyBackend
 from .batch import tree_batch
 from .checkpoint import checkpoint_for_step, load_checkpoint
-from .step import StepReducer, TrainConfig, compute_micro_step
+from .step import MicroResult, StepReducer, TrainConfig, compute_micro_step
 from .worker import load_samples
 
 COMPARED = ("loss", "executions", "tokens", "micro_steps", "clip_fraction", "ratio_mean", "kl")
@@ -41,6 +41,8 @@ async def replay_step(bus: EventBus, blobs: BlobStore, *, run_id: str, step: int
         if samples:
             reducer.add(compute_micro_step(backend, tree_batch(samples), train, micro_step=name,
                                            weight_version=state.weight_version))
+        else:  # every sample refused: the core counts it as done with nothing added, so must this
+            reducer.add(MicroResult(name, state.weight_version, (), 0.0, 0, 0, {}, None))
     replayed = reducer.loss_stats()
     recorded = dict(applied.loss) if applied else {}
     diffs = {k: abs(replayed[k] - recorded[k]) for k in COMPARED if k in recorded and k in replayed}

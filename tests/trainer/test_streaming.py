@@ -382,7 +382,52 @@ async def test_a_step_waits_for_a_group_read_only_in_part(js_bus, tmp_path):
     await core.on_queued(first)
     core.reducer.used.append("g0-m0")  # and already trained
     assert not core._complete()  # the group has two micro-steps; one is read
+    other = MicroStepQueued(run_id=RUN, step=0, micro_step="g9-m0", group_id="g9", sample_digests=["ab" * 32],
+                            advantages=[1.0], n_tokens=1, group_micro_steps=3)  # a re-run's extra group
+    await core.on_queued(other)
+    core.reducer.used.append("g9-m0")
     second = first.model_copy(update={"micro_step": "g0-m1"})
     await core.on_queued(second)
     core.reducer.used.append("g0-m1")
+    assert not core._complete()  # g0 is complete, but g9 is read 1/3: it is waited for
+    for k in (1, 2):
+        await core.on_queued(other.model_copy(update={"micro_step": f"g9-m{k}"}))
+        core.reducer.used.append(f"g9-m{k}")
     assert core._complete()
+
+
+async def test_a_core_killed_between_its_checkpoint_and_the_step_s_events_publishes_them_on_restart(js_bus, tmp_path):
+    """The checkpoint is written before StepApplied and the new weights reach the log, so
+    the log never runs ahead of it; a core killed in between publishes them on restart,
+    once."""
+    blobs = MemoryBlobStore()
+    core, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    publish = js_bus.publish
+
+    async def killed_at_step_applied(event, **kw):
+        if isinstance(event, StepApplied):
+            raise asyncio.CancelledError  # the process dies here
+        return await publish(event, **kw)
+
+    js_bus.publish = killed_at_step_applied
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(core.run(stop)), asyncio.create_task(workers[0].run(stop))]
+    await _queue(js_bus, blobs, 0, _steps()[0])
+    for _ in range(400):
+        await asyncio.sleep(0.05)
+        if core.state.weight_version == 1:
+            break
+    await asyncio.sleep(0.2)
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    js_bus.publish = publish
+    assert await _events(js_bus, Context.TRAINING, StepApplied) == []
+    assert [e.weight_version for e in await _events(js_bus, Context.TRAINING, WeightsPublished)] == [0]
+    again, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    await again.start()  # from the checkpoint of step 1, with step 0's record pending
+    await again.start()  # a second restart: the log has it now, nothing is published twice
+    applied = await _events(js_bus, Context.TRAINING, StepApplied)
+    assert [(e.step, e.weight_version) for e in applied] == [(0, 1)]
+    assert [e.weight_version for e in await _events(js_bus, Context.TRAINING, WeightsPublished)] == [0, 1]
+    assert again.state.step == 1 and again.state.pending_applied is None
