@@ -53,6 +53,7 @@ class CoreSettings:
     train: TrainConfig = TrainConfig()
     checkpoint_dir: Path | None = None
     groups_per_step: int | None = None
+    max_staleness: int | None = None  # as the workers': a micro-step computed here refuses the same samples
 
 
 @dataclass
@@ -173,7 +174,8 @@ class CoreTrainer:
         """Computes ``ev`` here, at the current version. Its rejected samples were counted
         from the cell's ``MicroStepDone`` already; with none left it still counts as done
         (nothing to add), so the step can complete."""
-        samples, _ = await load_samples(self.blobs, ev, self.backend.vocab_size, self.state.weight_version, None)
+        samples, _ = await load_samples(self.blobs, ev, self.backend.vocab_size, self.state.weight_version,
+                                        self.settings.max_staleness)
         if samples:
             result = await asyncio.to_thread(compute_micro_step, self.backend, tree_batch(samples),
                                              self.settings.train, micro_step=ev.micro_step,

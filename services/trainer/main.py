@@ -184,7 +184,8 @@ async def trainer_main(ctx: ServiceContext) -> None:
         return
     checkpoints = Path(_opt(options, "checkpoint_dir", str, str(rt.settings.run_dir / "trainer" / "checkpoints")))
     local = InProcessTransfer()  # the core's own worker hands its gradients over in memory
-    settings = CoreSettings(run_id, cell, train, checkpoints, _opt(options, "groups_per_step", int, None))
+    settings = CoreSettings(run_id, cell, train, checkpoints, _opt(options, "groups_per_step", int, None),
+                            max_staleness=settings_w.max_staleness)
     publisher = _publisher(options, rt.settings.admin_token, rt.settings.run_dir)
     core = CoreTrainer(settings, await asyncio.to_thread(build_backend, options), bus=rt.bus, blobs=rt.blobs,
                        gradients=RoutedTransfer(gradients, memory=local, blob=blob, port=port or _port_transfer()),
