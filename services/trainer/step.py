@@ -145,7 +145,11 @@ class StepReducer:
         params = [p for _, p in backend.named_parameters()]
         unflatten_into(params, grad)
         if config.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+            clip = getattr(backend, "clip_grad_norm", None)  # a sharded backend knows its global norm
+            if clip is not None:
+                clip(params, config.max_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return True

@@ -23,7 +23,8 @@ def main(out: str) -> None:
     torch.set_num_threads(1)
     reference = TorchBackend.tiny(TINY)
     mc = MegatronBackend(TINY, tp=2)
-    mc.load_hf_state_dict(reference.hf_state_dict())
+    before = {k: v.clone() for k, v in reference.hf_state_dict().items()}
+    mc.load_hf_state_dict(before)
     samples = list(zip(workload_samples(TINY.vocab_size), [0.7, -1.1])) + [(two_branch_tree("rx"), 0.5)]
     samples = with_behaviour(samples, reference)
     with torch.no_grad():
@@ -32,13 +33,24 @@ def main(out: str) -> None:
     tree = compute_micro_step(mc, tree_batch(samples), TrainConfig())
     flat = compute_micro_step(mc, branch_batch(samples), TrainConfig())
     back = mc.hf_state_dict()
+    # one update clipped hard (max_grad_norm far below the gradient's norm): both backends
+    # must clip by the whole model's norm and land on the same weights
+    from services.trainer.step import StepReducer, make_optimizer
+
+    clipped = TrainConfig(lr=1e-2, max_grad_norm=0.05)
+    for backend in (reference, mc):
+        reducer = StepReducer(0, 0)
+        reducer.add(compute_micro_step(backend, tree_batch(samples), clipped, micro_step="m"))
+        assert reducer.apply(backend, make_optimizer(backend, clipped), clipped)
+    after_ref, after_mc = reference.hf_state_dict(), mc.hf_state_dict()
     report = {
         "rank": dist.get_rank(),
         "logprob_diff": float((a - b).abs().max()),
         "loss_diff": abs(tree.loss_sum - flat.loss_sum),
         "grad_diff": float((tree.gradient - flat.gradient).abs().max()),
         "grad_max": float(tree.gradient.abs().max()),
-        "roundtrip_diff": max(float((back[k] - v).abs().max()) for k, v in reference.hf_state_dict().items()),
+        "roundtrip_diff": max(float((back[k] - v).abs().max()) for k, v in before.items()),
+        "clipped_update_diff": max(float((after_mc[k] - v).abs().max()) for k, v in after_ref.items()),
     }
     reports = [None, None]
     dist.all_gather_object(reports, report)

@@ -151,6 +151,29 @@ class MegatronBackend:
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)
 
+    def clip_grad_norm(self, params: list[torch.nn.Parameter], max_norm: float) -> float:
+        """Clips by the norm of the whole model's gradient, as the torch backend does: each
+        rank holds a shard of the split parameters (counted on every rank) and a copy of the
+        replicated ones (counted once, on TP rank 0), so the squares are summed over the
+        tensor-parallel group. A per-rank ``clip_grad_norm_`` would clip by its shard's norm."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state
+
+        rank = parallel_state.get_tensor_model_parallel_rank() if self.tp > 1 else 0
+        square = torch.zeros((), dtype=torch.float64)
+        for p in params:
+            if p.grad is not None and (rank == 0 or getattr(p, "tensor_model_parallel", False)):
+                square += p.grad.detach().double().pow(2).sum()
+        if self.tp > 1:
+            dist.all_reduce(square, group=parallel_state.get_tensor_model_parallel_group())
+        norm = float(square.sqrt())
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.detach().mul_(coef)
+        return norm
+
     def _local_state(self) -> dict[str, torch.Tensor]:
         return {k: v for k, v in self.model.state_dict().items()
                 if not k.endswith("_extra_state") and "rotary_pos_emb" not in k}
