@@ -148,7 +148,8 @@ class CoreTrainer:
         if seq:
             self.state.consumed["training"] = seq
         if ev.step != self.state.step or ev.micro_step in self.reducer.used:
-            return  # an applied step's straggler, or a duplicate
+            await self._discard(ev)  # an applied step's straggler, or a duplicate
+            return
         theirs = ev.gradient.get("objective")
         try:
             if theirs is not None and theirs != objective_key(self.settings.train):
@@ -169,6 +170,16 @@ class CoreTrainer:
                 await self._recompute(queued)
         self.reducer.rejected.extend(ev.gradient.get("rejected", []))
         await self._maybe_finish()
+
+    async def _discard(self, ev: MicroStepDone) -> None:
+        """Frees a gradient this process holds for a result it will not use (the core's own
+        worker hands them over in memory: a whole model's fp32 gradient each)."""
+        transfer = ev.gradient.get("transfer")
+        if isinstance(transfer, dict) and transfer.get("kind") == "memory":
+            try:
+                await self.gradients.get(transfer)
+            except Exception:  # not this process's, or read already
+                pass
 
     async def _recompute(self, ev: MicroStepQueued) -> None:
         """Computes ``ev`` here, at the current version. Its rejected samples were counted

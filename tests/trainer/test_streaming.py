@@ -431,3 +431,17 @@ async def test_a_core_killed_between_its_checkpoint_and_the_step_s_events_publis
     assert [(e.step, e.weight_version) for e in applied] == [(0, 1)]
     assert [e.weight_version for e in await _events(js_bus, Context.TRAINING, WeightsPublished)] == [0, 1]
     assert again.state.step == 1 and again.state.pending_applied is None
+
+
+async def test_a_result_the_core_does_not_use_frees_its_in_memory_gradient(js_bus, tmp_path):
+    from services.trainer.transfer import InProcessTransfer, RoutedTransfer
+
+    blobs = MemoryBlobStore()
+    local = InProcessTransfer()
+    core = CoreTrainer(CoreSettings(RUN, train=CONFIG), TorchBackend.tiny(TINY), bus=js_bus, blobs=blobs,
+                       gradients=RoutedTransfer(BlobTransfer(blobs), memory=local))
+    descriptor = await local.put({"g": torch.zeros(4)})
+    straggler = MicroStepDone(run_id=RUN, step=5, micro_step="s5-m0", cell="core", weight_version=5, n_tokens=1,
+                              loss=0.0, gradient={"transfer": descriptor})
+    await core.on_done(straggler)  # not the core's step: ignored, and its gradient freed
+    assert local._items == {}
