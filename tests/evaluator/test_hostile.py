@@ -244,9 +244,8 @@ async def test_filling_the_disk_stops_the_run(make_harness, work_root: Path):
     remove_tree(folder)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="uid mode switches to the slot's user: needs root")
 async def test_uid_mode_kills_a_daemon_that_left_the_group_before_the_slot_is_reused(make_harness, work_root: Path):
-    if os.geteuid() != 0:
-        pytest.skip("uid mode needs root")
     h = await make_harness(isolation="uid", workers=1)
     folder = work_root / f"uid-daemon-{uuid.uuid4().hex[:6]}"
     folder.mkdir()

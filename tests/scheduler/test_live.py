@@ -141,13 +141,16 @@ def _eager(run: str, bus, proxy_stats, send_switch) -> LiveScheduler:
                          proxy_stats=proxy_stats, send_switch=send_switch, clock=time.time)
 
 
-async def _idle_pair(bus, run: str) -> tuple[LiveScheduler, list]:
-    """Two idle cells registered; the scheduler caught up; the commands it sends, listed."""
+async def _idle_pair(bus, run: str, on_stats=None) -> tuple[LiveScheduler, list]:
+    """Two idle cells registered; the scheduler caught up; the commands it sends, listed.
+    ``on_stats(sent)`` runs whenever the scheduler reads the proxy (while it decides)."""
     sent: list[tuple[str, str]] = []
     for ev in _two_cells(run):
         await bus.publish(ev)
 
     async def proxy_stats() -> dict:
+        if on_stats is not None:
+            await on_stats(sent)
         return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
 
     async def send_switch(cell: str, to_role: str, causation: str) -> dict:
@@ -172,21 +175,13 @@ async def test_a_switch_is_sent_only_once_the_log_accepted_it(js_bus) -> None:
     """A cell event written while the scheduler decided (here: c0's agent restarted and
     registered in training) lands before the request; the request, illegal after it, is
     refused by the live fold as by a replay, and no command goes out."""
-    run, bus, sent = "race", js_bus, []
-    for ev in _two_cells(run):
-        await bus.publish(ev)
+    run, bus = "race", js_bus
 
-    async def proxy_stats() -> dict:
+    async def c0_restarts_in_training(sent) -> None:
         if not sent:
             await bus.publish(CellRegistered(run_id=run, cell="c0", role="training", is_core=True, capacity=4))
-        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
 
-    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
-        sent.append((cell, to_role))
-        return {"ok": True}
-
-    live = _eager(run, bus, proxy_stats, send_switch)
-    await live.catch_up_cells()
+    live, sent = await _idle_pair(bus, run, on_stats=c0_restarts_in_training)
     await _work(bus, run)
     await asyncio.sleep(0.3)  # the demand follower is not running: feed it by hand
     async for d in bus.read(Context.TREES):
