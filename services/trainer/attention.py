@@ -45,16 +45,57 @@ def dense_mask(layout: TreeLayout) -> torch.Tensor:
 
 
 def flex_block_mask(layout: TreeLayout, block_size: int = 128, device: str | torch.device = "cpu"):
-    from torch.nn.attention.flex_attention import create_block_mask
+    """flex_attention's block mask for a tree, built from the segment table.
+
+    ``create_block_mask`` evaluates the mask at every (query, key) pair: s^2 work and, not
+    compiled, s^2 bytes (about 90 GB at 300k tokens). A tree's mask is known per segment,
+    so the block-level structure comes from which segments each block holds: a key block
+    is partial for a query block (below or on the diagonal) when some segment of the one
+    sees some segment of the other, and full when every segment present in the query
+    block sees every segment present in the key block, the key block lies wholly before
+    it and both are whole blocks. The work is [blocks, segments] products, not s^2.
+    The sequence is padded to whole blocks with a sentinel segment that sees nothing, so
+    ``mask_mod`` never reads past the table (tests check the result against
+    ``create_block_mask``)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     seg = layout.segment_ids.to(device)
-    visible = layout.visible.to(device)
+    n_seg = int(layout.visible.shape[0])
+    s = seg.numel()
+    n_blocks = -(-s // block_size)
+    pad = n_blocks * block_size - s
+    # sentinel segment n_seg: sees nothing and is seen by nothing
+    visible = torch.zeros(n_seg + 1, n_seg + 1, dtype=torch.bool, device=device)
+    visible[:n_seg, :n_seg] = layout.visible.to(device)
+    seg_p = torch.cat([seg, torch.full((pad,), n_seg, dtype=seg.dtype, device=device)])
+
+    block_of = torch.arange(s, device=device) // block_size
+    present = torch.zeros(n_blocks, n_seg, dtype=torch.float64, device=device)
+    present[block_of, seg] = 1.0  # [blocks, segments]: the block holds a token of the segment
+    vis = layout.visible.to(device=device, dtype=torch.float64)
+    some = (present @ vis @ present.T) > 0  # some query segment sees some key segment
+    unseen = (present @ (1.0 - vis) @ present.T) > 0  # some query segment misses some key segment
+    rows = torch.arange(n_blocks, device=device)
+    on_or_below = rows[None, :] <= rows[:, None]
+    strictly_below = rows[None, :] < rows[:, None]
+    whole = torch.ones(n_blocks, dtype=torch.bool, device=device)
+    whole[-1] = pad == 0
+    full = strictly_below & ~unseen & whole[:, None] & whole[None, :]
+    partial = on_or_below & some & ~full
+
+    def as_indices(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        counts = m.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~m).to(torch.int8), dim=-1, stable=True).to(torch.int32)  # kept blocks first, ascending
+        return counts[None, None], order[None, None]
+
+    kv_num, kv_idx = as_indices(partial)
+    full_num, full_idx = as_indices(full)
 
     def mask_mod(b, h, q, kv):
-        return (kv <= q) & visible[seg[q], seg[kv]]
+        return (kv <= q) & visible[seg_p[q], seg_p[kv]]
 
-    s = seg.numel()
-    return create_block_mask(mask_mod, None, None, s, s, device=device, BLOCK_SIZE=block_size)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=block_size,
+                                    mask_mod=mask_mod, seq_lengths=(s, s))
 
 
 @dataclass(frozen=True)

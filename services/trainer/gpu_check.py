@@ -1,33 +1,54 @@
-"""GPU check for the trainer (never run yet: no GPU was lent to the task that wrote it).
+"""GPU check for the trainer: the CUDA paths a CPU machine cannot run, recorded as a report.
 
-    python -m services.trainer.gpu_check --out trainer_gpu_check.json [--bench-preset default]
+    python -m services.trainer.gpu_check --out trainer_gpu_check.json [--device cuda]
+        [--bench-preset small] [--default-bench torch,megatron] [--skip STEP,...]
 
-Records, without asserting: (1) tree == per-branch training on CUDA for both backends
-with each attention path (dense, compiled flex with its block mask, blocks), loss and
-gradient differences in fp32; (2) megatron-core on CUDA (NCCL, one process) against the
-torch backend from one checkpoint; (3) the benchmark on CUDA for both backends (the
-preset given; ``default`` is the issue's target scale). Each step is ok/failed with its
-detail and time; the JSON is what a closing note quotes.
+Records, without asserting (each step ok/failed with its detail and seconds; the JSON is
+rewritten after every step, so a run cut short keeps what it measured):
+
+1. ``equality_<backend>_<mode>``: tree == per-branch training for both backends with each
+   attention path (dense, compiled flex with the segment-table block mask, blocks): loss
+   and gradient differences in fp32; megatron's logprobs against the torch backend's from
+   one checkpoint (megatron-core on CUDA, NCCL, one process).
+2. ``attention_speed``: tree attention forward + backward in bf16 (8 heads, head dim 64)
+   on the workload's trees, small (7.7k tokens) and default (about 300k) and a default
+   per-branch batch (about 970k): flex against blocks and dense where they fit, and
+   against causal flash SDPA over the same number of tokens; ``pairs`` counts the
+   (query, key) pairs the tree lets attend, ``tflops`` is 4·d·h·pairs·3.5 per second.
+3. ``bench_<backend>``: ``gyre bench train`` on the device for the ``--bench-preset``.
+4. ``nccl_broadcast``: a two-process NCCL broadcast of 256 MB (the weight path to SGLang
+   cells); on one GPU both ranks share it, which NCCL may refuse, and that is recorded.
+5. ``bench_default_<backend>``: the issue's target scale (``default`` preset) for each
+   backend named in ``--default-bench``.
+
+``--device cpu`` runs the same steps on CPU (a smoke test of this script; flex has no
+backward there and is recorded as failed).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
+import sys
 import time
 import traceback
 
 
-def _step(report: dict, name: str, fn) -> None:
+def _step(report: dict, name: str, fn, out: str) -> None:
     t0 = time.perf_counter()
     try:
         report[name] = {"ok": True, "detail": fn()}
     except Exception as exc:  # record and go on: the report is the product
-        report[name] = {"ok": False, "detail": repr(exc), "trace": traceback.format_exc()[-2000:]}
+        report[name] = {"ok": False, "detail": repr(exc)[:2000], "trace": traceback.format_exc()[-2000:]}
     report[name]["s"] = round(time.perf_counter() - t0, 2)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    print(json.dumps({name: {k: v for k, v in report[name].items() if k != "trace"}})[:3000], flush=True)
 
 
-def _equality(backend_name: str, mode: str) -> dict:
+def _equality(backend_name: str, mode: str, device: str) -> dict:
     import torch
 
     from services.trajectory.bench import packed_samples
@@ -40,20 +61,21 @@ def _equality(backend_name: str, mode: str) -> dict:
 
     cfg = TinyModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=256)
     ref = TorchBackend.tiny(cfg)
-    ref.model.cuda()
+    ref.model.to(device)
     if backend_name == "megatron":
         from .backends.megatron import MegatronBackend
 
         model = MegatronBackend(cfg)
         model.load_hf_state_dict({k: v.cpu() for k, v in ref.hf_state_dict().items()})
-        model.model.cuda()
+        model.model.to(device)
     else:
         model = ref
     samples = [(_fold(p, cfg.vocab_size), 1.0 - 2.0 * (i % 2)) for i, p in enumerate(packed_samples("small"))]
     config = TrainConfig(attention=AttentionConfig(mode=mode, block_size=128))
     tree = compute_micro_step(model, tree_batch(samples), config)
     flat = compute_micro_step(model, branch_batch(samples), TrainConfig())
-    out = {"loss_diff": abs(tree.loss_sum - flat.loss_sum),
+    out = {"tree_tokens": tree.n_tokens, "flat_tokens": flat.n_tokens,
+           "loss_diff": abs(tree.loss_sum - flat.loss_sum),
            "grad_diff": float((tree.gradient - flat.gradient).abs().max()),
            "grad_max": float(tree.gradient.abs().max())}
     if backend_name == "megatron":
@@ -64,25 +86,173 @@ def _equality(backend_name: str, mode: str) -> dict:
     return out
 
 
+def attended_pairs(layout) -> int:
+    """(query, key) pairs a tree lets attend: each token sees its ancestors' segments
+    whole and its own segment up to itself."""
+    import torch
+
+    lengths = torch.bincount(layout.segment_ids, minlength=layout.visible.shape[0]).double()
+    ancestors = (layout.visible.double() @ lengths) - lengths  # tokens in strict ancestors
+    return int((lengths * ancestors + lengths * (lengths + 1) / 2).sum())
+
+
+def _time_fwd_bwd(fn, q, k, v, repeats: int = 3) -> float:
+    import torch
+
+    def once():
+        for t in (q, k, v):
+            t.grad = None
+        fn(q, k, v).sum().backward()
+
+    once()  # compile / warm-up
+    if q.is_cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            once()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1000 / repeats
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        once()
+    return (time.perf_counter() - t0) / repeats
+
+
+def _attention_speed(device: str, include_default: bool = True) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from services.trajectory.bench import packed_samples
+
+    from .attention import AttentionConfig, TreeAttention
+    from .batch import branch_batch, tree_batch
+
+    heads, dim = 8, 64
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    layouts = {"small_tree": tree_batch([(packed_samples("small")[0], 1.0)]).layout}
+    if include_default:
+        big = packed_samples("default")[0]
+        layouts["default_tree"] = tree_batch([(big, 1.0)]).layout
+        layouts["default_flat"] = branch_batch([(big, 1.0)]).layout
+    out: dict = {"heads": heads, "head_dim": dim, "dtype": str(dtype)}
+    for name, layout in layouts.items():
+        s = layout.n_tokens
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v = (torch.randn(1, heads, s, dim, device=device, dtype=dtype, generator=g).requires_grad_()
+                   for _ in range(3))
+        pairs = attended_pairs(layout)
+        row: dict = {"tokens": s, "pairs": pairs, "density": round(pairs / (s * (s + 1) / 2), 4)}
+        modes = ["flex"] + (["dense"] if s <= 16384 else []) + (["blocks"] if s <= 65536 else [])
+        for mode in modes:
+            try:
+                t0 = time.perf_counter()
+                attn = TreeAttention(layout, AttentionConfig(mode=mode), device)
+                prep = time.perf_counter() - t0
+                sec = _time_fwd_bwd(lambda a, b, c: attn(a, b, c), q, k, v)
+                row[mode] = {"fwd_bwd_s": round(sec, 5), "prepare_s": round(prep, 3),
+                             "tflops": round(4 * dim * heads * pairs * 3.5 / sec / 1e12, 1)}
+            except Exception as exc:  # one mode failing does not hide the others
+                row[mode] = {"error": repr(exc)[:300]}
+        try:
+            sec = _time_fwd_bwd(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=True), q, k, v)
+            row["causal_sdpa"] = {"fwd_bwd_s": round(sec, 5),
+                                  "tflops": round(4 * dim * heads * (s * (s + 1) / 2) * 3.5 / sec / 1e12, 1)}
+            if "fwd_bwd_s" in row.get("flex", {}):
+                row["flex_over_causal_time"] = round(row["flex"]["fwd_bwd_s"] / sec, 3)
+        except Exception as exc:
+            row["causal_sdpa"] = {"error": repr(exc)[:300]}
+        out[name] = row
+        del q, k, v
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return out
+
+
+_NCCL_CHILD = r"""
+import os, sys, time, torch, torch.distributed as dist
+rank = int(sys.argv[1]); port = sys.argv[2]
+dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+torch.cuda.set_device(0)
+t = torch.full((64 * 1024 * 1024,), float(rank == 0), device="cuda")  # 256 MB fp32
+dist.broadcast(t, 0); torch.cuda.synchronize()
+t0 = time.perf_counter()
+for _ in range(5):
+    dist.broadcast(t, 0)
+torch.cuda.synchronize()
+sec = (time.perf_counter() - t0) / 5
+print("RESULT", rank, float(t.min()), float(t.max()), sec, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _nccl_broadcast() -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    procs = [subprocess.Popen([sys.executable, "-c", _NCCL_CHILD, str(r), port], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=90)[0])
+        except subprocess.TimeoutExpired:
+            p.kill()
+            outs.append("timed out after 90 s\n" + (p.communicate()[0] or ""))
+    result: dict = {"returncodes": [p.returncode for p in procs]}
+    for r, text in enumerate(outs):
+        line = [x for x in text.splitlines() if x.startswith("RESULT")]
+        if line:
+            _, _, lo, hi, sec = line[0].split()
+            result[f"rank{r}"] = {"min": float(lo), "max": float(hi), "s_per_256MB": float(sec),
+                                  "GBps": round(0.268435456 / float(sec), 1)}
+        else:
+            result[f"rank{r}"] = text[-800:]
+    if not all(rc == 0 for rc in result["returncodes"]):
+        raise RuntimeError(json.dumps(result)[:1800])
+    return result
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="trainer_gpu_check.json")
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--bench-preset", default="small")
+    parser.add_argument("--default-bench", default="torch,megatron",
+                        help="backends to bench at the default preset ('' for none)")
+    parser.add_argument("--skip", default="", help="comma-separated step name prefixes to leave out")
     args = parser.parse_args()
     import torch
 
-    report: dict = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    skip = [s for s in args.skip.split(",") if s]
+    report: dict = {"device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu",
+                    "torch": torch.__version__, "python": sys.version.split()[0]}
+
+    def step(name, fn):
+        if not any(name.startswith(s) for s in skip):
+            _step(report, name, fn, args.out)
+
     for backend in ("torch", "megatron"):
         for mode in ("dense", "flex", "blocks"):
-            _step(report, f"equality_{backend}_{mode}", lambda b=backend, m=mode: _equality(b, m))
+            step(f"equality_{backend}_{mode}", lambda b=backend, m=mode: _equality(b, m, args.device))
+    step("attention_speed", lambda: _attention_speed(args.device, include_default=args.device == "cuda"))
     from .bench import run_bench
 
     for backend in ("torch", "megatron"):
-        _step(report, f"bench_{backend}", lambda b=backend: run_bench(b, preset=args.bench_preset, device="cuda",
-                                                                      repeats=3))
+        step(f"bench_{backend}", lambda b=backend: run_bench(b, preset=args.bench_preset, device=args.device,
+                                                             repeats=3))
+    if args.device == "cuda" and "nccl" not in skip:
+        step("nccl_broadcast", _nccl_broadcast)
+    for backend in [b for b in args.default_bench.split(",") if b]:
+        step(f"bench_default_{backend}", lambda b=backend: run_bench(b, preset="default", device=args.device,
+                                                                     repeats=1))
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps({k: v.get("ok") if isinstance(v, dict) else v for k, v in report.items()}))
+    os._exit(0)  # megatron's process group and compiled kernels need no orderly teardown
 
 
 if __name__ == "__main__":

@@ -128,3 +128,28 @@ def test_both_backends_load_one_hf_folder(tmp_path, samples, family):
     back = b.hf_state_dict()
     for name, tensor in a.hf_state_dict().items():
         assert torch.equal(back[name], tensor), name
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_tree_block_mask_matches_the_pairwise_one(samples, block_size):
+    """The block mask built from the segment table (no s^2 pass) is create_block_mask's."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from services.trainer.attention import flex_block_mask
+
+    full_blocks = 0
+    for batch in (tree_batch(samples), branch_batch(samples)):
+        layout = batch.layout
+        seg, visible = layout.segment_ids, layout.visible
+        ours = flex_block_mask(layout, block_size)
+        ref = create_block_mask(lambda b, h, q, kv: (kv <= q) & visible[seg[q], seg[kv]], None, None,
+                                layout.n_tokens, layout.n_tokens, device="cpu", BLOCK_SIZE=block_size)
+        assert ours.seq_lengths == ref.seq_lengths and ours.BLOCK_SIZE == ref.BLOCK_SIZE
+        for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+            a_num, b_num = getattr(ours, num)[0, 0], getattr(ref, num)[0, 0]
+            assert a_num.tolist() == b_num.tolist(), num
+            a_idx, b_idx = getattr(ours, idx)[0, 0], getattr(ref, idx)[0, 0]
+            for row, n in enumerate(a_num.tolist()):
+                assert a_idx[row, :n].tolist() == b_idx[row, :n].tolist(), (idx, row)
+        full_blocks += int(ours.full_kv_num_blocks.sum())
+    assert full_blocks > 0 or block_size > 16  # small blocks: whole ones exist, flex skips their mask
