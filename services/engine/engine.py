@@ -22,7 +22,7 @@ from typing import Any, Callable
 from .kv_cache import PrefixKVCache
 from .metrics import EngineMetrics
 from .model_runner import ForwardItem, KVBuffer, ModelRunner
-from .params import InvalidRequest, SamplingParams, check_input_ids
+from .params import InvalidRequest, SamplingParams, check_context_budget, check_input_ids
 from .sampler import SampleSpec, new_generator, sample
 from .scheduler import PauseMode, Scheduler, Sequence, banned_before_min_tokens, check_stop, trim_stop_text
 from .settings import EngineSettings
@@ -157,6 +157,7 @@ class Engine:
         top_logprobs_num: int = 0,
     ) -> Sequence:
         check_input_ids(input_ids, self.vocab_limit, self.max_context)
+        check_context_budget(len(input_ids), params.max_new_tokens, self.max_context)
         if not 0 <= top_logprobs_num <= 100:
             raise InvalidRequest("top_logprobs_num must be between 0 and 100")
         return Sequence(
@@ -179,7 +180,18 @@ class Engine:
             self._live[seq.rid] = _Live(subscriber, new_generator(seq.params.sampling_seed), time.monotonic())
             self.scheduler.add(seq)
 
-        await self.acall(add)
+        try:
+            await self.acall(add)
+        except asyncio.CancelledError:
+            # The caller left while ``add`` was queued or running: commands run in order, so
+            # this runs after it and ends the request if it was admitted (and is still this one).
+            def undo() -> None:
+                live = self._live.get(seq.rid)
+                if live is not None and live.subscriber is subscriber:
+                    self.abort([seq.rid], "client disconnected")
+
+            self.call(undo)
+            raise
         return subscriber
 
     def abort(self, rids: list[str] | None, message: str = "aborted") -> int:

@@ -288,7 +288,7 @@ async def _generate(engine: Engine, body: dict) -> Response:
     try:
         for seq in seqs:
             subscribers.append(await engine.submit(seq, stream=False))
-    except Exception:  # one prompt of the batch refused: nothing of the batch keeps running unread
+    except BaseException:  # a prompt refused, or the client left: nothing of the batch keeps running unread
         if subscribers:
             engine.call(lambda: engine.abort([seq.rid for seq in seqs[:len(subscribers)]], "batch refused"))
         raise

@@ -144,4 +144,17 @@ def check_input_ids(ids: list[int], vocab_size: int, max_context: int) -> None:
     if bad:
         raise InvalidRequest(f"input_ids out of vocabulary (size {vocab_size}): {bad[:5]}")
     if len(ids) >= max_context:
-        raise InvalidRequest(f"input is {len(ids)} tokens; the context limit is {max_context}")
+        raise InvalidRequest(f"The input ({len(ids)} tokens) is longer than the model's context length "
+                             f"({max_context} tokens).")
+
+
+def check_context_budget(n_input: int, max_new_tokens: int, max_context: int) -> None:
+    """SGLang's rule and wording: input plus max_new_tokens must stay below the context
+    length (a client that parses SGLang's 400 parses this one)."""
+    total = n_input + max_new_tokens
+    if total >= max_context:
+        raise InvalidRequest(
+            f"Requested token count exceeds the model's maximum context length of {max_context} tokens. "
+            f"You requested a total of {total} tokens: {n_input} tokens from the input messages and "
+            f"{max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input "
+            f"messages or the completion to fit within the limit.")

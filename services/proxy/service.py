@@ -156,10 +156,12 @@ class ProxyService:
             plan = self._plan(st, req)
             input_ids = st.tito.input_ids(plan)
         max_new = req.max_tokens or self.config.default_max_tokens
-        if len(input_ids) + 1 > self.max_context:
+        # SGLang's rule: input + max_new_tokens < context length; leave room for one token at least
+        room = self.max_context - 1 - len(input_ids)
+        if room < 1:
             raise ApiError(400, "invalid_request",
-                           f"prompt is too long: {len(input_ids)} tokens > {self.max_context - 1} maximum")
-        max_new = min(max_new, self.max_context - len(input_ids))
+                           f"prompt is too long: {len(input_ids)} tokens > {self.max_context - 2} maximum")
+        max_new = min(max_new, room)
         call_id = uuid.uuid4().hex
         session = st.call_session.get(plan.parent_call_id or "", "") or f"{rollout_id}/{call_id}"
         if plan.parent_call_id is None:

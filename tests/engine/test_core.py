@@ -170,9 +170,17 @@ def test_input_ids_are_checked_against_vocabulary_and_context():
         check_input_ids([], 100, 50)
     with pytest.raises(InvalidRequest, match="out of vocabulary"):
         check_input_ids([1, 100], 100, 50)
-    with pytest.raises(InvalidRequest, match="context limit"):
+    with pytest.raises(InvalidRequest, match=r"input \(50 tokens\) is longer than the model's context length"):
         check_input_ids([1] * 50, 100, 50)
     check_input_ids([0, 99], 100, 50)
+
+
+def test_input_plus_new_tokens_must_stay_below_the_context_like_sglang():
+    from services.engine.params import check_context_budget
+
+    check_context_budget(40, 9, 50)  # 49 < 50
+    with pytest.raises(InvalidRequest, match="maximum context length of 50 tokens. You requested a total of 50"):
+        check_context_budget(40, 10, 50)
 
 
 def test_an_engine_beyond_loopback_warns_what_is_open():
