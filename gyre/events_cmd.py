@@ -17,7 +17,7 @@ from libs.common.db.projection import ProjectionRunner
 from libs.common.db.readmodels import readmodels
 from libs.common.eventlog import export_stream, load_memory_bus, readmodel_digest
 from libs.common.events import Context, EventDecodeError, decode
-from libs.common.runtime import NatsNotConfigured
+from libs.common.runtime import NatsNotConfigured, connect_tool_bus
 from libs.common.settings import GyreSettings
 
 
@@ -25,7 +25,7 @@ async def tail(settings: GyreSettings, contexts: list[Context], run_id: str | No
                follow: bool, as_json: bool) -> None:
     """Print the log: ``GYRE_NATS_URL``'s, or a finished run's store (``run_nats_url``)."""
     with run_nats_url(settings) as url:
-        bus = await JetStreamBus.connect(url, name="gyre-tail")
+        bus = await connect_tool_bus(url, name="gyre-tail", settings=settings)
         try:
             if follow:
                 await asyncio.gather(*(_follow(bus, c, run_id, from_seq, as_json) for c in contexts))
@@ -63,7 +63,7 @@ def _print(c: Context, seq: int, data: bytes, as_json: bool) -> None:
 async def export(settings: GyreSettings, contexts: list[Context], run_id: str | None, out: Path) -> int:
     n = 0
     with run_nats_url(settings) as url:
-        bus = await JetStreamBus.connect(url, name="gyre-export")
+        bus = await connect_tool_bus(url, name="gyre-export", settings=settings)
         try:
             with open(out, "w", encoding="utf-8") as f:
                 for c in contexts:
@@ -86,7 +86,8 @@ async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) 
         if files:
             bus = load_memory_bus(files)
         else:
-            bus = await JetStreamBus.connect(stack.enter_context(run_nats_url(settings)), name="gyre-replay")
+            bus = await connect_tool_bus(stack.enter_context(run_nats_url(settings)), name="gyre-replay",
+                                         settings=settings)
         try:
             runner = ProjectionRunner(engine, bus, readmodels, filter_run=run_id)
             applied = await runner.catch_up()
@@ -124,7 +125,7 @@ async def tree_show(settings: GyreSettings, rollout: str, fmt: str, tokens: bool
     from services.trajectory.show import show_rollout
 
     with run_nats_url(settings) as url:
-        bus = await JetStreamBus.connect(url, name="gyre-tree")
+        bus = await connect_tool_bus(url, name="gyre-tree", settings=settings)
         try:
             blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
             config = ledger_config(settings.run_id, await run_options(bus, settings.run_id))
@@ -172,7 +173,7 @@ async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
     from services.trajectory.main import ledger_config
     from services.trajectory.service import TrajectoryService
 
-    bus = await JetStreamBus.connect(nats_url, name="gyre-replay-trees")
+    bus = await connect_tool_bus(nats_url, name="gyre-replay-trees")
     try:
         live_blobs = await ObjectStoreBlobStore.open(bus.js)
         copy = InMemoryBus()
@@ -229,7 +230,7 @@ async def replay_cells(nats_url: str, run_id: str, run_dir: Path) -> dict[str, A
     if live is not None and live.get("run_id") != run_id:
         raise ValueError(f"{path} is the schedule of run {live.get('run_id')!r}, not {run_id!r}")
     until = live.get("through_seq") if live else None
-    bus = await JetStreamBus.connect(nats_url, name="gyre-replay-cells")
+    bus = await connect_tool_bus(nats_url, name="gyre-replay-cells")
     fold, events = CellsFold(), 0
     try:
         async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{run_id}.cells.>", until_seq=until):
@@ -254,7 +255,7 @@ async def replay_training_step(settings: GyreSettings, step: int) -> dict[str, A
     from services.trainer.replay import replay_step
 
     with run_nats_url(settings) as url:
-        bus = await JetStreamBus.connect(url, name="gyre-replay-step")
+        bus = await connect_tool_bus(url, name="gyre-replay-step", settings=settings)
         try:
             blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
             # the run's own objective (clip range, TIS cap, KL); the checkpoint brings the weights

@@ -20,6 +20,7 @@ from typing import Any
 
 from libs.common.blobs import ObjectStoreBlobStore
 from libs.common.bus.jetstream import JetStreamBus
+from libs.common.runtime import connect_tool_bus
 from libs.common.events import Context, HeldoutEvaluated, RolloutScored, RolloutScoringFailed, StepApplied, decode
 from gyre.metrics import RunMetrics
 from libs.common.runconfig import RunConfig
@@ -172,7 +173,7 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
     from services.runner.harness import PRESETS, gyre_agent
     from services.runner.main import create_runner, runner_config
 
-    bus = await JetStreamBus.connect(nats_url, name="gyre-run")
+    bus = await connect_tool_bus(nats_url, name="gyre-run")
     try:
         blobs = await ObjectStoreBlobStore.open(bus.js)
         runner = create_runner(runner_config(cfg.run.id, {

@@ -29,6 +29,7 @@ from rich.table import Table
 
 from gyre.services import SERVICES
 from libs.common.bus.jetstream import JetStreamBus
+from libs.common.runtime import connect_tool_bus
 from libs.common.db.engine import upgrade
 from libs.common.events import RunStarted, WarmStartCompleted
 from libs.common.natsserver import EmbeddedNats, free_port
@@ -340,7 +341,7 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
 
 
 async def _publish(settings: GyreSettings, event: Any) -> None:
-    bus = await JetStreamBus.connect(settings.nats_url or "", name="gyre-up")
+    bus = await connect_tool_bus(settings.nats_url or "", name="gyre-up", settings=settings)
     try:
         await bus.publish(event)
     finally:
@@ -455,7 +456,7 @@ async def rebuild_report(settings: GyreSettings) -> Path:
         nats = EmbeddedNats(settings.nats_store_dir).start()
         url = nats.url
     try:
-        bus = await JetStreamBus.connect(url, name="gyre-report")
+        bus = await connect_tool_bus(url, name="gyre-report", settings=settings)
         try:
             facts = await collect(bus, settings.run_id)
         finally:

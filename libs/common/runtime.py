@@ -54,3 +54,14 @@ async def open_runtime(settings: GyreSettings, *, name: str, database: bool = Fa
         if engine is not None:
             engine.dispose()
         await bus.close()
+
+
+async def connect_tool_bus(url: str, *, name: str, settings: GyreSettings | None = None) -> JetStreamBus:
+    """The bus for the CLI's tools (tail, export, replay, report): the deployment's NATS
+    credentials (``GYRE_NATS_CREDS``), and existing streams left as the services
+    configured them (replicas, max age); only missing ones are created, with the settings'."""
+    settings = settings or GyreSettings()
+    return await JetStreamBus.connect(
+        url, name=name, creds=str(settings.nats_creds) if settings.nats_creds else None,
+        replicas=settings.stream_replicas, max_age_s=settings.stream_max_age_days * 86400, update_streams=False,
+    )

@@ -310,6 +310,8 @@ def test_the_core_trainer_runs_by_default_wired_as_gyre_up_wires_it(rendered):
         assert url == f"http://{cell}.gyre-cell.rl.svc.cluster.local:30000"
     trajectory = by_kind(docs, "Deployment")["gyre-trajectory"]
     assert {e["name"]: e.get("value") for e in containers(trajectory)[0]["env"]}["GYRE_MODEL"] == model
+    proxy = by_kind(docs, "Deployment")["gyre-proxy"]  # renders prompts with the policy's tokenizer
+    assert {e["name"]: e.get("value") for e in containers(proxy)[0]["env"]}["GYRE_MODEL"] == model
     if name == "gpu":
         assert env["GYRE_TRAINER_BACKEND"] == "megatron"
         assert env["GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE"] == "1"

@@ -178,3 +178,21 @@ async def test_optimistic_append_on_a_subject(bus) -> None:
         await bus.publish(started(1).model_copy(update={"event_id": "other"}), expect_last_subject_seq=0)
     assert await bus.publish(started(1).model_copy(update={"event_id": "third"}), expect_last_subject_seq=1) == 2
     assert await bus.publish(started(2), expect_last_subject_seq=0) == 3  # another subject counts on its own
+
+
+async def test_the_cli_tools_leave_deployed_streams_as_the_services_made_them(nats_server, monkeypatch) -> None:
+    """A service bus (7-day max age) made the streams; a tool's connection (tail, export,
+    replay) must not rewrite them to its own defaults."""
+    from libs.common.bus.jetstream import JetStreamBus
+    from libs.common.runtime import connect_tool_bus
+    from libs.common.settings import GyreSettings
+
+    week = 7 * 86400
+    service = await JetStreamBus.connect(nats_server.url, max_age_s=week)
+    tool = await connect_tool_bus(nats_server.url, name="gyre-tail", settings=GyreSettings(stream_max_age_days=0))
+    try:
+        info = await service.js.stream_info(Context.ROLLOUTS.stream)
+        assert info.config.max_age == pytest.approx(week)
+    finally:
+        await tool.close()
+        await service.close()

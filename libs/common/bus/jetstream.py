@@ -93,9 +93,12 @@ class JetStreamBus:
         self.consumers: set[tuple[str, str]] = set()  # (stream, durable) run here; for libs/common/bus_metrics.py
 
     @classmethod
-    async def connect(cls, url: str, *, name: str = "gyre", creds: str | None = None, **kw: Any) -> "JetStreamBus":
+    async def connect(cls, url: str, *, name: str = "gyre", creds: str | None = None, update_streams: bool = True,
+                      **kw: Any) -> "JetStreamBus":
+        """``update_streams=False`` (the CLI's tools): create missing streams, leave existing
+        ones as their services configured them (replicas, max age)."""
         bus = cls(await connect_nats(url, name=name, creds=creds), **kw)
-        await bus.ensure_streams()
+        await bus.ensure_streams(update=update_streams)
         return bus
 
     async def close(self) -> None:
@@ -115,7 +118,9 @@ class JetStreamBus:
             duplicate_window=120.0,
         )
 
-    async def ensure_streams(self) -> None:
+    async def ensure_streams(self, *, update: bool = True) -> None:
+        """Creates each stream; one that exists with another configuration is updated to
+        this bus's (``update``) or left as it is."""
         wanted = [(c.stream, [c.subjects]) for c in Context]
         wanted.append((DEADLETTER_STREAM, [f"{DEADLETTER_PREFIX}.>"]))
         for name, subjects in wanted:
@@ -123,7 +128,8 @@ class JetStreamBus:
             try:
                 await self.js.add_stream(cfg)
             except BadRequestError:
-                await self.js.update_stream(cfg)
+                if update:
+                    await self.js.update_stream(cfg)
 
     async def last_seq(self, context: Context) -> int:
         info = await self.js.stream_info(context.stream)
