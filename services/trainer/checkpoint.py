@@ -1,14 +1,24 @@
 """Checkpoints: weights, optimizer, step, weight version and the consumed log positions,
 written together (one file, atomically renamed), so a killed core resumes exactly: it
-reloads this and reads the log on from the positions it names."""
+reloads this and reads the log on from the positions it names.
+
+A checkpoint is durable before anything of its version reaches the log: the file is
+fsynced, renamed into place, the folder fsynced, and only then ``LATEST`` is replaced (by
+the same write, fsync, rename, fsync). A ``LATEST`` that names a missing or unreadable
+file (a disk that lost it) is passed over, with a warning, for the newest readable
+``step-*.pt``.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,17 +37,73 @@ def save_checkpoint(folder: Path, state: TrainerState, weights: dict[str, torch.
     folder.mkdir(parents=True, exist_ok=True)
     path = checkpoint_for_step(folder, state.step)
     tmp = path.with_suffix(".tmp")
-    torch.save({"state": vars(state), "weights": {k: v.detach().cpu() for k, v in weights.items()},
-                "optimizer": optimizer.state_dict()}, tmp)
+    with open(tmp, "wb") as f:
+        torch.save({"state": vars(state), "weights": {k: v.detach().cpu() for k, v in weights.items()},
+                    "optimizer": optimizer.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
-    (folder / "LATEST.tmp").write_text(path.name)
-    os.replace(folder / "LATEST.tmp", folder / "LATEST")
+    _fsync_dir(folder)  # the rename is on disk before LATEST names the file
+    marker = folder / "LATEST.tmp"
+    with open(marker, "w") as f:
+        f.write(path.name)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(marker, folder / "LATEST")
+    _fsync_dir(folder)
     return path
 
 
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def latest_checkpoint(folder: Path) -> Path | None:
+    """The file ``LATEST`` names; if it is missing (or there is no ``LATEST``), the newest
+    ``step-*.pt`` there is (None: no checkpoint)."""
+    for path in _candidates(folder):
+        if path.is_file():
+            return path
+    return None
+
+
+def load_latest_checkpoint(folder: Path) -> tuple[Path, TrainerState, dict[str, torch.Tensor], dict] | None:
+    """The checkpoint ``LATEST`` names, loaded; when that one is missing or unreadable,
+    the newest readable ``step-*.pt`` (logged as a warning). None: no checkpoint at all."""
+    marked = _marked(folder)
+    for path in _candidates(folder):
+        try:
+            loaded = load_checkpoint(path)
+        except Exception as exc:  # missing, truncated, not a checkpoint
+            log.warning("checkpoint %s is unreadable (%s); trying an older one", path, exc)
+            continue
+        if path != marked:
+            log.warning("checkpoint: LATEST names %s, which is missing or unreadable; resuming from %s",
+                        marked, path)
+        return (path, *loaded)
+    if marked is not None:
+        raise FileNotFoundError(f"{folder}/LATEST names {marked.name}, and no step-*.pt there is readable")
+    return None
+
+
+def _marked(folder: Path) -> Path | None:
     marker = folder / "LATEST"
-    return folder / marker.read_text().strip() if marker.is_file() else None
+    try:
+        name = marker.read_text().strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return folder / name if name else None
+
+
+def _candidates(folder: Path) -> list[Path]:
+    """LATEST's file first, then every ``step-*.pt``, newest first."""
+    marked = _marked(folder)
+    steps = sorted(folder.glob("step-*.pt"), reverse=True) if folder.is_dir() else []
+    return ([marked] if marked is not None else []) + [p for p in steps if p != marked]
 
 
 def checkpoint_for_step(folder: Path, step: int) -> Path:

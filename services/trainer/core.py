@@ -37,7 +37,7 @@ from libs.common.events import (Context, Event, GroupQueued, MicroStepDone, Micr
 
 from .backends.base import PolicyBackend
 from .batch import tree_batch
-from .checkpoint import TrainerState, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import TrainerState, load_latest_checkpoint, save_checkpoint
 from .step import MicroResult, StepReducer, TrainConfig, compute_micro_step, make_optimizer
 from .transfer import GradientSink
 from .worker import load_samples, objective_key, result_from_done
@@ -78,27 +78,45 @@ class CoreTrainer:
 
     # -------------------------------------------------------------------- start / resume
     async def start(self) -> None:
-        ckpt = latest_checkpoint(self.settings.checkpoint_dir) if self.settings.checkpoint_dir else None
-        if ckpt is not None:
-            self.state, weights, opt = load_checkpoint(ckpt)
+        found = load_latest_checkpoint(self.settings.checkpoint_dir) if self.settings.checkpoint_dir else None
+        if found is not None:
+            ckpt, self.state, weights, opt = found
             self.backend.load_hf_state_dict(weights)
             self.optimizer.load_state_dict(opt)
             log.info("core resumes at step %d (v%d) from %s", self.state.step, self.state.weight_version, ckpt)
         elif self.settings.checkpoint_dir:  # step 0's starting point, for replay
             save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
+        # what the log gives again (the trees stream is re-read from its start, the training
+        # stream from the checkpoint's position): nothing of an earlier run() is kept
+        self.plans = {}
         self.reducer = StepReducer(self.state.step, self.state.weight_version)
         await self._publish_pending()  # killed between its checkpoint and publishing it
         await self._publish_weights(cause=None)
 
     async def run(self, stop) -> None:
+        """Follows the log until ``stop``. Any error while handling an event (a weights
+        upload, a publication, the checkpoint's write, a recompute) ends it at once with
+        that error: the core is not left half-way through a step, and its supervisor
+        restarts it, which resumes from the newest checkpoint and publishes what that
+        checkpoint has and the log lacks (the step's ``StepApplied``, its weights)."""
         await self.start()
         tasks = [asyncio.create_task(self._follow(Context.TREES, 1, MicroStepQueued, self.on_queued, stop)),
                  asyncio.create_task(self._follow(Context.TREES, 1, GroupQueued, self.on_group, stop)),
                  asyncio.create_task(self._follow(Context.TRAINING, self.state.consumed.get("training", 0) + 1,
                                                   MicroStepDone, self.on_done, stop))]
+        stopped = asyncio.create_task(stop.wait())
         try:
-            await stop.wait()
+            while not stop.is_set():
+                done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
+                for t in tasks:
+                    if t in done and not t.cancelled() and t.exception() is not None:
+                        log.error("core: handling the log failed (%r); stops, to be restarted from its checkpoint",
+                                  t.exception())
+                        raise t.exception()
+                if not stop.is_set() and any(t in done for t in tasks):
+                    raise RuntimeError("core: the log stopped being followed before the core was stopped")
         finally:
+            stopped.cancel()
             async with self._lock:  # let a step being applied finish (update, events, checkpoint)
                 for t in tasks:
                     t.cancel()
@@ -150,12 +168,12 @@ class CoreTrainer:
         if ev.step != self.state.step or ev.micro_step in self.reducer.used:
             await self._discard(ev)  # an applied step's straggler, or a duplicate
             return
-        theirs = ev.gradient.get("objective")
+        theirs, ours = ev.gradient.get("objective"), objective_key(self.settings.train, self.backend)
         try:
-            if theirs is not None and theirs != objective_key(self.settings.train):
+            if theirs != ours:  # none: a cell that does not say, so its gradient's layout is unknown
                 log.error("core: %s from cell %s was computed under %s, not the core's %s (a satellite configured "
-                          "apart from the core?); computes it again", ev.micro_step, ev.cell, theirs,
-                          objective_key(self.settings.train))
+                          "apart from the core: objective, backend or model?); computes it again", ev.micro_step,
+                          ev.cell, theirs, ours)
                 result = replace(await result_from_done(_without_transfer(ev), self.gradients), weight_version=-1)
             else:
                 result = await result_from_done(ev, self.gradients)

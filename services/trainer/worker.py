@@ -8,6 +8,17 @@ acked within ``ack_wait_s`` (the cell died) is delivered again to another. For s
 the micro-step's weighted loss, puts it on the :class:`GradientSink` and publishes
 ``MicroStepDone`` with the descriptor. The message is acked after that.
 
+A micro-step of a step the core has not reached yet (version ``s`` not published) is
+held at most ``future_hold_s`` and then put back (the handler raises :class:`NotYet`, the
+bus naks it with the queue's short retry delay): a cell never sits on a future claim
+while a claim of the current step, redelivered from a cell that died, waits in the queue
+for someone to fetch it. (The bus has no in-progress signal for a claim, so one computed
+for longer than ``ack_wait_s`` is delivered again elsewhere; the core counts it once.)
+
+Each ``MicroStepDone`` carries :func:`objective_key`: the objective, the backend and a
+hash of the parameter layout the flat gradient follows; the core adds only results whose
+key is its own.
+
 Bad samples are rejected one by one with their reason (listed in the descriptor under
 ``rejected``); the rest of the micro-step goes on.
 """
@@ -15,14 +26,16 @@ Bad samples are rejected one by one with their reason (listed in the descriptor 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
-from libs.common.bus.port import BlobStore, ConsumerConfig, Delivery, EventBus
+from libs.common.bus.port import BlobStore, ConsumerConfig, Deferred, Delivery, EventBus
 from libs.common.events import Context, MicroStepClaimed, MicroStepDone, MicroStepQueued, WeightsPublished
 from services.trajectory.codec import CodecError, decode_packed
 from services.trajectory.packing import PackedTree
@@ -38,6 +51,11 @@ log = logging.getLogger(__name__)
 class WorkerStopped(RuntimeError):
     """Raised inside a claim when the cell leaves training: the message is not acked, so
     JetStream delivers it to another cell."""
+
+
+class NotYet(Deferred):
+    """Raised inside a claim of a step whose weights are not published yet: the claim
+    goes back to the queue (nak) instead of being held until they are."""
 
 
 class WeightSource(Protocol):
@@ -87,18 +105,24 @@ class WorkerSettings:
     ack_wait_s: float = 600.0
     poll_s: float = 0.05
     queue_name: str = "trainer-work"
+    # how long a claim of a future step waits for its weights before it goes back to the
+    # queue (capped at a quarter of ack_wait_s)
+    future_hold_s: float = 5.0
+    retry_delay_s: float = 1.0  # a claim put back (or one that failed) is delivered again after this
 
 
 def work_queue_config(settings: WorkerSettings) -> ConsumerConfig:
     return ConsumerConfig(name=settings.queue_name, context=Context.TREES,
                           filter_subject=f"gyre.{settings.run_id}.trees.{MicroStepQueued.TYPE}.>",
-                          batch=1, max_deliver=MAX_DELIVER, ack_wait_s=settings.ack_wait_s)
+                          batch=1, max_deliver=MAX_DELIVER, ack_wait_s=settings.ack_wait_s,
+                          retry_delay_s=settings.retry_delay_s)
 
 
-# Every time a cell leaves training while its claim waits for weights, the claim goes back
-# to the queue and counts as a delivery; a core that follows its cell's role leaves once or
-# twice per step, so the bound is generous (it stops only a micro-step that keeps failing).
-MAX_DELIVER = 200
+# Every time a claim of a future step is put back (once per ``future_hold_s`` + the retry
+# delay while it waits: 1000 in 100 minutes at the defaults), or a cell leaves training
+# while its claim waits for weights, the claim counts as a delivery; so the bound is
+# generous (it stops only a micro-step that keeps failing).
+MAX_DELIVER = 1000
 
 
 async def load_samples(blobs: BlobStore, ev: MicroStepQueued, vocab: int, version: int,
@@ -144,8 +168,10 @@ class MicroStepWorker:
         if isinstance(ev, MicroStepQueued):
             await self.train(ev)
 
-    async def sync_weights(self, step: int) -> bool:
-        """Holds weight version ``step`` once it exists; False if the core is already past it."""
+    async def sync_weights(self, step: int, hold_s: float | None = None) -> bool:
+        """Holds weight version ``step`` once it exists; False if the core is already past
+        it. With ``hold_s``, raises :class:`NotYet` when it does not exist by then."""
+        deadline = None if hold_s is None else time.monotonic() + hold_s
         while True:
             if self._stop is not None and self._stop.is_set():
                 raise WorkerStopped("stopped while waiting for weights; the claim goes back to the queue")
@@ -157,10 +183,16 @@ class MicroStepWorker:
                     self.backend.load_hf_state_dict(await self.weights.fetch(step))
                     self.version = step
                 return True
+            if deadline is not None and time.monotonic() >= deadline:
+                raise NotYet(f"step {step} waits for weights v{step} (v{current} is published); "
+                             "the claim goes back to the queue")
             await asyncio.sleep(self.settings.poll_s)
 
+    def future_hold_s(self) -> float:
+        return min(self.settings.future_hold_s, self.settings.ack_wait_s / 4)
+
     async def train(self, ev: MicroStepQueued) -> None:
-        if not await self.sync_weights(ev.step):
+        if not await self.sync_weights(ev.step, hold_s=self.future_hold_s()):
             return  # the step is applied already: a late redelivery
         s = self.settings
         await self.bus.publish(MicroStepClaimed(**ev.caused(step=ev.step, micro_step=ev.micro_step, cell=s.cell,
@@ -178,7 +210,7 @@ class MicroStepWorker:
     async def _done_event(self, ev: MicroStepQueued, result: MicroResult | None,
                           rejected: list[dict[str, str]]) -> MicroStepDone:
         descriptor: dict[str, Any] = {"rejected": rejected, "executions": [], "stats": {}, "finite": True,
-                                      "objective": objective_key(self.settings.train)}
+                                      "objective": objective_key(self.settings.train, self.backend)}
         loss, n_tokens = 0.0, 0
         if result is not None:
             descriptor.update(executions=list(result.executions), stats=result.stats,
@@ -194,11 +226,23 @@ class MicroStepWorker:
                                          gradient=descriptor))
 
 
-def objective_key(train: TrainConfig) -> str:
+def objective_key(train: TrainConfig, backend: PolicyBackend) -> str:
     """What a gradient depends on besides the weights and samples: the clip range, the TIS
-    cap and the KL coefficient. A core adds only gradients computed under its own."""
+    cap and the KL coefficient; and what its flat values mean: the backend and the layout
+    of its parameters (names and shapes, in the order the gradient is flattened), so a
+    megatron gradient is never added to a torch one, nor one of another model, however
+    their sizes compare. A core adds only gradients computed under its own."""
     o = train.objective
-    return f"eps_low={o.eps_low!r} eps_high={o.eps_high!r} tis_cap={o.tis_cap!r} kl_coef={o.kl_coef!r}"
+    return (f"eps_low={o.eps_low!r} eps_high={o.eps_high!r} tis_cap={o.tis_cap!r} kl_coef={o.kl_coef!r} "
+            f"backend={backend.name} layout={parameter_layout(backend)}")
+
+
+def parameter_layout(backend: PolicyBackend) -> str:
+    """A hash of the backend's parameter names and shapes in flatten order."""
+    h = hashlib.sha256()
+    for name, p in backend.named_parameters():
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    return h.hexdigest()[:16]
 
 
 async def result_from_done(ev: MicroStepDone, gradients: GradientSink) -> MicroResult:

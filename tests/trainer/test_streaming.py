@@ -131,6 +131,8 @@ async def test_core_and_satellite_train_two_steps(js_bus, tmp_path, transfer):
 async def test_stale_gradient_is_dropped_and_recomputed(js_bus, tmp_path, order):
     """A gradient from another weight version is dropped; the core computes that
     micro-step itself (also when the stale result arrives before the queue event)."""
+    from services.trainer.worker import objective_key
+
     blobs = MemoryBlobStore()
     core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
     await core.start()
@@ -143,7 +145,7 @@ async def test_stale_gradient_is_dropped_and_recomputed(js_bus, tmp_path, order)
         backend = TorchBackend.tiny(TINY) if version == 7 else core.backend
         res = compute_micro_step(backend, tree_batch([steps[0][k]]), CONFIG, micro_step=f"s0-m{k}")
         desc = {"transfer": await grads.put({"gradient": res.gradient}), "executions": list(res.executions),
-                "stats": res.stats, "finite": True, "rejected": []}
+                "stats": res.stats, "finite": True, "rejected": [], "objective": objective_key(CONFIG, backend)}
         dones.append(MicroStepDone(run_id=RUN, step=0, micro_step=f"s0-m{k}", cell="sat", weight_version=version,
                                    n_tokens=1, loss=res.loss_sum, gradient=desc))
     first, second = (queued, dones) if order == "queued_first" else (dones, queued)
@@ -175,7 +177,8 @@ async def test_a_gradient_under_another_objective_is_recomputed_by_the_core(js_b
     for k, config in ((0, other), (1, CONFIG)):
         res = compute_micro_step(core.backend, tree_batch([steps[0][k]]), config, micro_step=f"s0-m{k}")
         desc = {"transfer": await grads.put({"gradient": res.gradient}), "executions": list(res.executions),
-                "stats": res.stats, "finite": True, "rejected": [], "objective": objective_key(config)}
+                "stats": res.stats, "finite": True, "rejected": [],
+                "objective": objective_key(config, core.backend)}
         await core.on_done(MicroStepDone(run_id=RUN, step=0, micro_step=f"s0-m{k}", cell="sat", weight_version=0,
                                          n_tokens=1, loss=res.loss_sum, gradient=desc))
     assert core.state.weight_version == 1
@@ -262,6 +265,8 @@ async def test_bad_sample_is_rejected_with_its_reason(js_bus, tmp_path):
 
 
 async def test_non_finite_micro_step_marks_the_step_and_keeps_the_weights(js_bus, tmp_path):
+    from services.trainer.worker import objective_key
+
     blobs = MemoryBlobStore()
     core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
     await core.start()
@@ -270,7 +275,8 @@ async def test_non_finite_micro_step_marks_the_step_and_keeps_the_weights(js_bus
     async for d in js_bus.read(Context.TREES):
         await core.on_queued(d.event)
     await core.on_done(MicroStepDone(run_id=RUN, step=0, micro_step="s0-m0", cell="sat", weight_version=0,
-                                     n_tokens=10, loss=0.0, gradient={"finite": False, "executions": ["ra"]}))
+                                     n_tokens=10, loss=0.0, gradient={"finite": False, "executions": ["ra"],
+                                                                      "objective": objective_key(CONFIG, core.backend)}))
     applied = (await _events(js_bus, Context.TRAINING, StepApplied))[0]
     assert applied.loss["applied"] == 0.0 and applied.micro_steps_dropped == ["s0-m0"]
     assert core.state.weight_version == 1 and core.state.step == 1  # step 1 trains on v1 = the same weights

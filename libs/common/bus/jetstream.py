@@ -24,7 +24,8 @@ from nats.js import api
 from nats.js.errors import BadRequestError, NotFoundError
 
 from ..events import Context, Event, EventDecodeError, decode
-from .port import ConcurrencyConflict, ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal
+from .port import (ConcurrencyConflict, ConsumerConfig, Deferred, Delivery, Handler, PermanentError, RawMessage,
+                   StopSignal)
 
 log = logging.getLogger(__name__)
 
@@ -225,7 +226,8 @@ class JetStreamBus:
                 if delivered >= config.max_deliver:
                     await self._dead_letter(config, msg, f"failed {delivered} times: {exc!r}")
                     continue
-                log.warning("consumer %s: seq %s failed (%r); retrying", config.name, seq, exc)
+                (log.debug if isinstance(exc, Deferred) else log.warning)(
+                    "consumer %s: seq %s failed (%r); retrying", config.name, seq, exc)
                 for rest in msgs[i:]:
                     await rest.nak(delay=config.retry_delay_s)
                 return

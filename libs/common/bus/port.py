@@ -48,6 +48,12 @@ class PermanentError(Exception):
     """A handler raises this for an event it can never apply: it is dead-lettered, not retried."""
 
 
+class Deferred(Exception):
+    """A handler raises this for an event it cannot apply yet (it waits on something else):
+    redelivered after ``retry_delay_s`` like any failure, counted toward ``max_deliver``,
+    but logged quietly (it is no error)."""
+
+
 @dataclass(frozen=True)
 class ConsumerConfig:
     """A durable consumer: the server remembers its position under ``name``.
