@@ -38,6 +38,10 @@ from libs.common.settings import GyreSettings
 
 SECRET_KEYS = {"admin_token", "nats_creds"}
 FINISH_TIMEOUT_S = 180.0  # the report and the tree replay at the end of a run
+# A service that fails (exits non-zero) is started again this many times: each resumes from
+# the log and its own durable state (the trainer from its checkpoint), as under systemd's or
+# Kubernetes' restart policy; after that the run stops with the service's last log lines.
+MAX_RESTARTS = 3
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Child:
     port: int
     proc: subprocess.Popen[bytes]
     health: dict[str, Any] | None = None
+    launch: "Launch | None" = None
+    restarts: int = 0
 
     @property
     def state(self) -> str:
@@ -157,7 +163,28 @@ def _spawn(launch: Launch, env: dict[str, str], log_dir: Any) -> Child:
                             env={**env, **launch.env}, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True)  # a terminal's Ctrl-C reaches gyre up, which stops them in order
     log.close()
-    return Child(launch.name, launch.port, proc)
+    return Child(launch.name, launch.port, proc, launch=launch)
+
+
+def _restart_failed(children: list[Child], env: dict[str, str], log_dir: Any, console: Console) -> list[Child]:
+    """Starts again each child that exited non-zero and has restarts left; returns the
+    exited children it could not restart (a clean exit, or no restarts left)."""
+    given_up = []
+    for i, c in enumerate(children):
+        if c.proc.poll() is None:
+            continue
+        log = log_dir / f"{c.name}.log"
+        tail = log.read_text(errors="replace").splitlines()[-15:] if log.exists() else []
+        if c.proc.returncode == 0 or c.launch is None or c.restarts >= MAX_RESTARTS:
+            given_up.append(c)
+            continue
+        console.print(f"[yellow]{c.name} exited ({c.proc.returncode}); starting it again "
+                      f"({c.restarts + 1}/{MAX_RESTARTS}); last lines of {log}:[/]")
+        console.print("\n".join(tail), markup=False, highlight=False)
+        again = _spawn(c.launch, env, log_dir)
+        again.restarts = c.restarts + 1
+        children[i] = again
+    return given_up
 
 
 def _poll(children: list[Child], client: httpx.Client) -> None:
@@ -485,7 +512,7 @@ def _watch(settings: GyreSettings, plan: list[Launch], children: list[Child], en
                 job.start()
             if job is not None and job.done:
                 return 0
-            exited = [c for c in children if c.proc.poll() is not None]
+            exited = _restart_failed(children, env, log_dir, console)
             if exited:
                 live.update(_table(settings, settings.nats_url or "", children, job))
                 for c in exited:
