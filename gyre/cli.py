@@ -55,7 +55,8 @@ def up(
     overrides: Annotated[Optional[list[str]], typer.Argument(help="run-config overrides: key.path=value")] = None,
     config: Annotated[Optional[Path], typer.Option("--config", "-c", help="run config YAML")] = None,
     run_dir: Annotated[Optional[Path], typer.Option(
-        "--run-dir", help="the run's folder (default: <run.dir>/<run.id>, e.g. runs/demo)")] = None,
+        "--run-dir", help="the stack's state folder: event store, logs, report (default: <run.dir>/<run.id>, "
+                          "e.g. runs/demo; TensorBoard, W&B and agent workspaces stay there)")] = None,
     run_id: Annotated[Optional[str], typer.Option(help="run id (run.id)")] = None,
     check: Annotated[bool, typer.Option("--check", help="start the stack, exit 0 once every service is healthy")] = False,
     duration: Annotated[float, typer.Option(help="stop after this many seconds (0 = when the steps are done)")] = 0.0,
