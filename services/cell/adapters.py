@@ -146,6 +146,8 @@ class WeightsSeat:
         return model
 
     async def leave(self) -> None:
+        if self.model is None:  # not joined (a restarted agent's register): nothing to free
+            return
         self.model = None
         gc.collect()
 

@@ -4,7 +4,15 @@ Each phase is announced (``SwitchPhaseEntered``), timed, and the switch ends in 
 one ``SwitchCompleted`` or ``SwitchFailed`` (with the phase, the reason, and the safe role
 the cell was rolled back to). Commands arrive as NATS requests on
 ``gyre.<run>.cmd.cells.<cell>`` (``{"op": "switch", "to_role": "training"}``) and are
-answered with the outcome, so every command is also an event in the log.
+answered with the outcome, so every command is also an event in the log. A command sent
+again with the same ``causation_id`` (a scheduler that restarted, or whose watchdog heard
+nothing for too long) is answered with the outcome it had, and nothing is done or logged
+twice.
+
+A restarted agent registers in inference: it first asks its training seat to leave (the
+core's trainer may still be claiming for a cell that trained) and gives its engine its
+memory back if the cells stream says the cell trained or was on its way there (an SGLang
+engine does not say whether its memory is released).
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ import logging
 import time
 from typing import Any
 
-from libs.common.events import CellRegistered, SwitchCompleted, SwitchFailed, SwitchPhaseEntered
+from libs.common.events import CellRegistered, Context, SwitchCompleted, SwitchFailed, SwitchPhaseEntered
 
 from .adapters import EngineControl, ProxyControl, TrainingSeat
 from .core import SwitchRecord, SwitchRefused, plan
@@ -28,6 +36,12 @@ def command_subject(run_id: str, cell: str) -> str:
 
 
 FINISH_RETRY_S = (0.5, 1.0, 2.0, 4.0)  # waits between tries to publish a switch's outcome
+ANNOUNCE_RETRY_S = (0.5, 1.0, 2.0)  # waits between tries to announce a phase (then it fails)
+ANSWERS_KEPT = 32  # outcomes kept by causation id, to answer a command sent again
+# the cell's last role or phase on the cells stream -> its engine's memory was released
+# (surely / perhaps: a release under way, or a resume under way, when the agent stopped)
+RELEASED_AFTER = frozenset({"training", "joining", "leaving"})
+MAYBE_RELEASED_AFTER = frozenset({"releasing", "resuming"})
 CATCH_UP_TIMEOUT_S = 120.0  # loading the newest weights on the way back (under the scheduler's 300 s request timeout)
 
 
@@ -49,12 +63,14 @@ class CellAgent:
         self.broken: str | None = None
         self._repair: tuple[Any, ...] = ()
         self.unsent: list[Any] = []  # switch outcomes the bus did not take yet
+        self._answers: dict[str, SwitchRecord] = {}  # causation id -> the switch's outcome
 
     async def register(self) -> None:
         prepare = getattr(self.seat, "prepare", None)
         if prepare is not None:
             await prepare()
         if self.role == "inference":
+            await self._leave_seat()
             await self._resume_if_released()
             await self.proxy.add(self.name, self.engine_url, self.capacity)
         await self.bus.publish(CellRegistered(run_id=self.run_id, cell=self.name, role=self.role,
@@ -86,45 +102,73 @@ class CellAgent:
 
     async def switch(self, to_role: str, *, causation_id: str | None = None) -> SwitchRecord:
         async with self._lock:  # one switch at a time
-            rec = SwitchRecord(self.name, self.role, to_role)
-            try:
-                if self.broken is not None:
-                    raise SwitchRefused(f"cell is not usable as {self.role}: {self.broken}")
-                phases = plan(self.role, to_role)
-            except SwitchRefused as exc:
-                rec.failed_phase, rec.reason = "refused", str(exc)
-                await self._finish(rec, causation_id)
-                self.last = rec
-                return rec
-            announced = phases[0]  # the scheduler's request entered the first phase already
-            completed: list[str] = []
-            for phase in phases:
-                start = time.monotonic()
-                try:
-                    await self.bus.publish(SwitchPhaseEntered(run_id=self.run_id, cell=self.name, phase=phase,
-                                                              causation_id=causation_id))
-                    announced = phase
-                    log.info("cell %s: %s -> %s: %s", self.name, rec.from_role, to_role, phase)
-                    await self._run_phase(phase)
-                except Exception as exc:
-                    rec.timings[phase] = time.monotonic() - start
-                    # the failure is reported in the last phase the log knows of (a phase
-                    # whose announcement failed never started)
-                    rec.failed_phase, rec.reason = announced, repr(exc)
-                    log.error("cell %s: %s failed after %.2fs: %r", self.name, phase, rec.timings[phase], exc)
-                    problem = await self._roll_back(rec, completed)
-                    if problem is not None:
-                        rec.reason += f"; rollback to {rec.role_now} failed, the cell is not usable: {problem}"
-                    break
-                rec.timings[phase] = time.monotonic() - start
-                completed.append(phase)
-                log.info("cell %s: %s done in %.2fs", self.name, phase, rec.timings[phase])
-            self.role = rec.role_now
-            if self.on_role is not None:
-                self.on_role(self.role)
+            done = self._answers.get(causation_id) if causation_id is not None else None
+            if done is not None:  # the same command again: its outcome is in the log already (or unsent)
+                log.info("cell %s: switch %s was carried out already (%s)", self.name, causation_id,
+                         "ok" if done.ok else f"failed in {done.failed_phase}")
+                return done
+            rec = await self._switch(to_role, causation_id)
+            if causation_id is not None:
+                self._answers[causation_id] = rec
+                while len(self._answers) > ANSWERS_KEPT:
+                    self._answers.pop(next(iter(self._answers)))
+            return rec
+
+    async def _switch(self, to_role: str, causation_id: str | None) -> SwitchRecord:
+        rec = SwitchRecord(self.name, self.role, to_role)
+        try:
+            if self.broken is not None:
+                raise SwitchRefused(f"cell is not usable as {self.role}: {self.broken}")
+            phases = plan(self.role, to_role)
+        except SwitchRefused as exc:
+            rec.failed_phase, rec.reason = "refused", str(exc)
             await self._finish(rec, causation_id)
             self.last = rec
             return rec
+        announced = phases[0]  # the scheduler's request entered the first phase already
+        completed: list[str] = []
+        for phase in phases:
+            start = time.monotonic()
+            try:
+                await self._announce(SwitchPhaseEntered(run_id=self.run_id, cell=self.name, phase=phase,
+                                                        causation_id=causation_id))
+                announced = phase
+                log.info("cell %s: %s -> %s: %s", self.name, rec.from_role, to_role, phase)
+                await self._run_phase(phase)
+            except Exception as exc:
+                rec.timings[phase] = time.monotonic() - start
+                # the failure is reported in the last phase the log surely has (a phase
+                # whose announcement failed never started; if it was stored after all,
+                # the scheduler rolls back from there: core.state)
+                rec.failed_phase, rec.reason = announced, repr(exc)
+                log.error("cell %s: %s failed after %.2fs: %r", self.name, phase, rec.timings[phase], exc)
+                problem = await self._roll_back(rec, completed)
+                if problem is not None:
+                    rec.reason += f"; rollback to {rec.role_now} failed, the cell is not usable: {problem}"
+                break
+            rec.timings[phase] = time.monotonic() - start
+            completed.append(phase)
+            log.info("cell %s: %s done in %.2fs", self.name, phase, rec.timings[phase])
+        self.role = rec.role_now
+        if self.on_role is not None:
+            self.on_role(self.role)
+        await self._finish(rec, causation_id)
+        self.last = rec
+        return rec
+
+    async def _announce(self, event: SwitchPhaseEntered) -> None:
+        """Publishes a phase's announcement, trying again with the same event: a try whose
+        acknowledgement was lost may be stored, and JetStream drops the copy (same id)."""
+        for delay in (*ANNOUNCE_RETRY_S, None):
+            try:
+                await self.bus.publish(event)
+                return
+            except Exception as exc:
+                if delay is None:
+                    raise
+                log.warning("cell %s: could not announce %s (%r); again in %.1fs", self.name, event.phase, exc,
+                            delay)
+                await asyncio.sleep(delay)
 
     async def _run_phase(self, phase: str) -> None:
         if phase == "draining":
@@ -218,18 +262,58 @@ class CellAgent:
             if await self._run_steps(self._repair) is None:
                 log.info("cell %s: repaired; serving as %s again", self.name, self.role)
 
+    async def _leave_seat(self) -> None:
+        """A restarted agent registers in inference: its seat leaves training first. The
+        core's trainer (``TrainerSeat``) lives on in its own process and may still be
+        claiming for a cell that trained when its agent stopped; every seat's ``leave`` is
+        a no-op when it has not joined."""
+        try:
+            await self.seat.leave()
+        except Exception as exc:  # e.g. no core trainer runs: then none claims either
+            log.error("cell %s: could not make its training seat leave: %r", self.name, exc)
+
     async def _resume_if_released(self) -> None:
-        """A restarted agent registers in inference: an engine left released (the cell was
-        training when its agent stopped) gets its memory back first."""
+        """A restarted agent registers in inference: an engine left released gets its memory
+        back (and the newest weights) first. Whether it was released: the engine says so
+        (the embedded engine does, SGLang does not), or the cells stream does (the cell
+        trained, or its switch had got as far as releasing)."""
         try:
             released = await self.engine.released()
-        except Exception as exc:  # an engine without server_info details: nothing to check
+        except Exception as exc:  # an engine without server_info details: the log decides
             log.debug("cell %s: cannot read the engine's memory state: %r", self.name, exc)
-            return
-        if released:
-            log.info("cell %s: engine memory was released (%s); resuming it", self.name, ", ".join(released))
+            released = []
+        surely = bool(released)
+        if not surely:
+            recorded = await self._recorded_state()
+            if recorded not in RELEASED_AFTER and recorded not in MAYBE_RELEASED_AFTER:
+                return
+            surely = recorded in RELEASED_AFTER
+            released = [f"the log has the cell {recorded}"]
+        log.info("cell %s: engine memory was released (%s); resuming it", self.name, ", ".join(released))
+        try:
             await self.engine.resume()
-            await self._catch_up_weights()
+        except Exception as exc:
+            if surely:
+                raise
+            # released, or resumed already, before the agent stopped: whichever, try serving
+            log.warning("cell %s: resuming the engine failed (%r); it may not have been released", self.name, exc)
+        await self._catch_up_weights()
+
+    async def _recorded_state(self) -> str | None:
+        """The cell's last role or phase on the cells stream (None: nothing recorded)."""
+        last = None
+        try:
+            async for d in self.bus.read(Context.CELLS, filter_subject=f"gyre.{self.run_id}.cells.>"):
+                ev = d.event
+                if getattr(ev, "cell", None) != self.name:
+                    continue
+                if isinstance(ev, (CellRegistered, SwitchCompleted, SwitchFailed)):
+                    last = str(ev.role)
+                elif isinstance(ev, SwitchPhaseEntered):
+                    last = ev.phase
+        except Exception as exc:
+            log.warning("cell %s: cannot read its last role from the log: %r", self.name, exc)
+        return last
 
     async def _finish(self, rec: SwitchRecord, causation_id: str | None) -> None:
         version = await self._weight_version_safe() if rec.role_now == "inference" else 0

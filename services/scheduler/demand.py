@@ -63,6 +63,15 @@ class Demand:
         return any(self._all_groups_in(step) and all(m in self.done for m, s in self.queued.items() if s == step)
                    for step in steps)
 
+    @property
+    def batch_ready(self) -> bool:
+        """A step's whole batch is collected and its update is not applied yet (what the
+        ``colocate`` policy waits for before every cell trains): every group started for it
+        is queued in full, ``groups_per_step`` of them when known (else a log cut short
+        counts what was queued)."""
+        steps = set(self.queued.values()) | {s for s, groups in self.step_groups.items() if groups & self.queued_groups}
+        return any(self._all_groups_in(step) for step in steps - self.applied_steps)
+
     def _all_groups_in(self, step: int) -> bool:
         groups = self.step_groups.get(step, set())
         started = self.groups_per_step is None or len(groups) >= self.groups_per_step

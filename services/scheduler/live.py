@@ -19,6 +19,17 @@ A command nobody answers (no cell agent subscribed: it is down) is recorded as a
 ``SwitchFailed`` on the cell's behalf, back in the role it had, so the cell does not stay
 half-way for good; a restarted agent registers again and the fold takes the role it
 states.
+
+No switch is left half-way by a scheduler that stopped: before its first tick it reads
+the demand streams and the cells stream to their ends (``catch_up_demand``,
+``catch_up_cells``), then sends again the command of every cell the log shows in the first
+phase of a switch (a request stored whose command may never have gone out). A watchdog
+does the same for any cell half-way through a switch that no command of ours is waiting
+on and no event of the cell's has come from for ``switch_timeout_s`` (the request's own
+timeout): the command goes again, with the causation id of the request that started the
+switch, so an agent that carried it out already answers it from memory
+(``CellAgent.switch``), one that is idle carries it out, and no agent at all gets a
+``SwitchFailed`` recorded for it.
 """
 
 from __future__ import annotations
@@ -31,7 +42,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from libs.common.bus.port import EventBus
-from libs.common.events import Context, EventDecodeError, SwitchFailed, decode
+from libs.common.events import Context, EventDecodeError, SwitchFailed, SwitchRequested, decode
 
 from .core import SchedulerState, Tick, decide
 from .core.facts import SwitchStarted
@@ -45,14 +56,20 @@ log = logging.getLogger(__name__)
 ProxyStats = Callable[[], Awaitable[dict[str, Any]]]
 SendSwitch = Callable[[str, str, str], Awaitable[dict[str, Any]]]  # cell, to_role, causation id
 
+DEMAND_STREAMS = (Context.ROLLOUTS, Context.TREES, Context.TRAINING)
+SWITCH_TIMEOUT_S = 300.0  # a switch command's request timeout (services.cell.agent.request_switch)
+CATCH_UP_TIMEOUT_S = 60.0  # at start, for reading the demand streams to their ends
+
 
 class LiveScheduler:
     def __init__(self, *, run_id: str, bus: EventBus, policy: Any, proxy_stats: ProxyStats, send_switch: SendSwitch,
                  tick_s: float = 2.0, clock: Callable[[], float] = time.time,
-                 groups_per_step: int | None = None) -> None:
+                 groups_per_step: int | None = None, switch_timeout_s: float = SWITCH_TIMEOUT_S,
+                 catch_up_timeout_s: float = CATCH_UP_TIMEOUT_S) -> None:
         self.run_id, self.bus, self.policy = run_id, bus, policy
         self.proxy_stats, self.send_switch = proxy_stats, send_switch
         self.tick_s, self.clock = tick_s, clock
+        self.switch_timeout_s, self.catch_up_timeout_s = switch_timeout_s, catch_up_timeout_s
         self.fold = CellsFold()  # the state, and each cell's timeline (what a replay must rebuild)
         self.demand = Demand(groups_per_step=groups_per_step)
         self._to_send: dict[str, tuple[str, str]] = {}  # SwitchRequested id -> (cell, role), until read back
@@ -61,6 +78,11 @@ class LiveScheduler:
         self.switch_answers: list[dict[str, Any]] = []
         self.last_tick: Tick | None = None
         self.cells_seq = 0  # last cells-stream sequence applied (the fold is the log up to there)
+        self.demand_seq: dict[Context, int] = {}  # last sequence applied of each demand stream
+        self._request: dict[str, str] = {}  # cell -> id of the SwitchRequested that started its switch
+        self._heard: dict[str, float] = {}  # cell -> clock when its last event (or our last command) was seen
+        self._sending: set[str] = set()  # cells with a command of ours waiting for its answer
+        self._looked_back = False  # the commands the log may have left unsent were sent again
         self.final: dict[str, Any] | None = None  # the fold's summary once stopped
 
     def _apply(self, data: bytes) -> None:
@@ -82,21 +104,48 @@ class LiveScheduler:
             log.error("scheduler: cannot apply %s", self.fold.errors[-1])
         if ev.event_id in self._to_send:
             self._read_back[ev.event_id] = accepted
+        if getattr(ev, "cell", None):  # every cells event but the water level's is one cell's
+            self._heard[ev.cell] = self.clock()
+        if accepted and isinstance(ev, SwitchRequested):
+            self._request[ev.cell] = ev.event_id
 
     @property
     def state(self) -> SchedulerState:
         return self.fold.state
 
     async def _follow(self, context: Context, stop: asyncio.Event) -> None:
-        follow = self.bus.follow(context, filter_subject=f"gyre.{self.run_id}.{context.value}.>", idle_s=0.2)
+        follow = self.bus.follow(context, start_seq=self.demand_seq.get(context, 0) + 1,
+                                 filter_subject=f"gyre.{self.run_id}.{context.value}.>", idle_s=0.2)
         try:
             async for raw in follow:
                 if raw is not None:
                     self._apply(raw.data)
+                    self.demand_seq[context] = raw.seq
                 if stop.is_set():
                     return
         finally:
             await follow.aclose()
+
+    async def catch_up_demand(self) -> None:
+        """Reads the demand streams to their ends (the followers go on from there), so the
+        first decisions see the history: an update pending, the training work waiting.
+        Gives up after ``catch_up_timeout_s`` with a warning; the followers read the rest."""
+        async def read(context: Context) -> None:
+            async for d in self.bus.read(context, start_seq=self.demand_seq.get(context, 0) + 1,
+                                         filter_subject=f"gyre.{self.run_id}.{context.value}.>"):
+                self._apply_event(d.event)
+                self.demand_seq[context] = d.seq
+
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(read(c) for c in DEMAND_STREAMS)), self.catch_up_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("scheduler: the demand streams were not read to their ends in %.0fs; deciding on what "
+                        "was read (at %s), the followers read the rest", self.catch_up_timeout_s,
+                        {c.value: self.demand_seq.get(c, 0) for c in DEMAND_STREAMS})
+            return
+        log.info("scheduler: demand read to the streams' ends in %.2fs (%s)", time.monotonic() - start,
+                 {c.value: self.demand_seq.get(c, 0) for c in DEMAND_STREAMS})
 
     async def tick(self) -> list[Any]:
         stats = await self.proxy_stats()
@@ -108,7 +157,8 @@ class LiveScheduler:
         tick = Tick(at=self.clock(), queued_calls=int(stats.get("queued", 0)), running_calls=running,
                     rollouts_between_calls=max(0, len(self.demand.running_rollouts) - running),
                     training_backlog=self.demand.backlog, update_pending=self.demand.update_pending,
-                    cell_calls=cell_calls, busy_trainers=self.demand.busy_trainers)
+                    batch_ready=self.demand.batch_ready, cell_calls=cell_calls,
+                    busy_trainers=self.demand.busy_trainers)
         facts = decide(self.state, tick, self.policy)
         self.last_tick = tick
         for fact in facts:
@@ -123,6 +173,7 @@ class LiveScheduler:
             await self.bus.publish(event)  # a failure drops the tick's other facts; the next tick decides again
         await self.catch_up_cells()  # our events, in stream order after whatever came first
         self._send_accepted()
+        self._send_again()
         return facts
 
     def _send_accepted(self) -> None:
@@ -138,7 +189,34 @@ class LiveScheduler:
                 log.warning("scheduler: switch of %s to %s not sent: the cell is %s now", cell, role,
                             phase.value if phase else "gone")
                 continue
-            self._spawn(self._switch(cell, role, event_id))
+            self._send(cell, role, event_id)
+
+    def _send_again(self) -> None:
+        """Commands that may never have reached their cell go again. On the first tick: each
+        cell in the first phase of a switch (a scheduler before this one may have stopped
+        between storing the request and sending it). On every tick: each cell half-way
+        through a switch, with no command of ours waiting on it, that nothing was heard
+        from for ``switch_timeout_s``."""
+        first, self._looked_back = not self._looked_back, True
+        now = self.clock()
+        for c in self.state.switching:
+            request = self._request.get(c.name)
+            if c.name in self._sending or request is None:
+                continue
+            if first and c.phase is SWITCH_PATH[c.heading_to][0]:
+                why = "its request is in the log; the command may never have gone out"
+            elif now - self._heard.get(c.name, now) > self.switch_timeout_s:
+                why = f"nothing heard of it for {now - self._heard[c.name]:.0f}s"
+            else:
+                continue
+            log.warning("scheduler: sending the switch of %s to %s again (%s; it is %s)", c.name,
+                        c.heading_to.value, why, c.phase.value)
+            self._send(c.name, c.heading_to.value, request)
+
+    def _send(self, cell: str, role: str, causation: str) -> None:
+        self._sending.add(cell)
+        self._heard[cell] = self.clock()  # the watchdog counts from the command too
+        self._spawn(self._switch(cell, role, causation))
 
     async def _switch(self, cell: str, to_role: str, causation: str) -> None:
         try:
@@ -148,7 +226,11 @@ class LiveScheduler:
             log.error("scheduler: switch of %s to %s got no answer: %r", cell, to_role, exc)
             if _nobody_listening(exc):
                 await self._record_unanswered(cell, to_role, causation, exc)
-            # otherwise (a timeout) the agent may still be at work: its own events tell the rest
+            # otherwise (a timeout) the agent may still be at work: its own events tell the
+            # rest, or the watchdog sends the command again (_send_again)
+        finally:
+            self._sending.discard(cell)
+            self._heard[cell] = self.clock()
         self.switch_answers.append({"cell": cell, "to_role": to_role, **answer})
 
     async def _record_unanswered(self, cell: str, to_role: str, causation: str, exc: Exception) -> None:
@@ -179,10 +261,13 @@ class LiveScheduler:
             self.cells_seq = d.seq
 
     async def run(self, stop: asyncio.Event) -> None:
-        followers = [asyncio.create_task(self._follow(c, stop))
-                     for c in (Context.ROLLOUTS, Context.TREES, Context.TRAINING)]
+        followers: list[asyncio.Task] = []
         try:
-            await asyncio.sleep(min(self.tick_s, 1.0))  # let the followers read the history first
+            try:
+                await self.catch_up_demand()  # the first tick decides on the whole history
+            except Exception:
+                log.exception("scheduler: could not read the demand streams; the followers read them")
+            followers = [asyncio.create_task(self._follow(c, stop)) for c in DEMAND_STREAMS]
             while not stop.is_set():
                 try:
                     await self.catch_up_cells()

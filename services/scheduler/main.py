@@ -7,7 +7,8 @@ Environment: ``GYRE_PROXY_URL`` (required: calls in flight per cell come from th
 ``GYRE_SCHEDULER_LOW_WATERMARK``, ``GYRE_SCHEDULER_HIGH_WATERMARK``,
 ``GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT``; ``async``: ``GYRE_SCHEDULER_TRAINING_CELLS`` (1).
 ``GYRE_SCHEDULER_GROUPS_PER_STEP`` (else ``GYRE_TRAINER_GROUPS_PER_STEP``): a step's groups,
-so the core is not pulled in for an update before all of them have started.
+so the core is not pulled in for an update (nor, under ``colocate``, every cell for the
+batch) before all of them have started.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import httpx
 from libs.common.service import ServiceContext, ServiceSpec
 
 from .core import AsyncPolicy, ColocatePolicy, ElasticPolicy
-from .live import LiveScheduler
+from .live import SWITCH_TIMEOUT_S, LiveScheduler
 
 
 def policy_from_env() -> Any:
@@ -57,7 +58,8 @@ async def scheduler_main(ctx: ServiceContext) -> None:
         return r.json()
 
     async def send_switch(cell: str, to_role: str, causation: str) -> dict[str, Any]:
-        return await request_switch(ctx.runtime.bus.nc, settings.run_id, cell, to_role, causation_id=causation)
+        return await request_switch(ctx.runtime.bus.nc, settings.run_id, cell, to_role, causation_id=causation,
+                                    timeout_s=SWITCH_TIMEOUT_S)
 
     stale = settings.run_dir / SCHEDULE_FILE
     if stale.exists():  # an earlier scheduler's: never compared with this one's log

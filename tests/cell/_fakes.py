@@ -2,8 +2,11 @@
 
 ``FailingSeat`` fakes a trainer replica that cannot join (e.g. the core is unreachable):
 ``join`` raises; ``leave`` succeeds. ``ResumeFailsOnce`` wraps the real engine control
-and fails the first ``resume`` (an engine that cannot get its memory back). Everything
-else in these tests is real: the embedded engines, the proxy, NATS.
+and fails the first ``resume`` (an engine that cannot get its memory back).
+``SaysNothingReleased`` wraps it too and, like SGLang's ``server_info``, never lists the
+memory released. ``IdleWorker`` is the core trainer's micro-step worker (a GPU trainer on
+a CPU machine): it runs until paused. Everything else in these tests is real: the
+embedded engines, the proxy, NATS, the trainer's join/leave gate.
 """
 
 from __future__ import annotations
@@ -36,3 +39,19 @@ class ResumeFailsOnce:
             self.failed = True
             raise RuntimeError("out of memory")
         await self.real.resume()
+
+
+class SaysNothingReleased:
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    async def released(self) -> list[str]:
+        return []
+
+
+class IdleWorker:
+    async def run(self, pause) -> None:
+        await pause.wait()

@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from libs.common.events import Context, SwitchCompleted, SwitchFailed, SwitchPhaseEntered
-from services.cell.adapters import EngineControl, ProxyControl, WeightsSeat
+from services.cell.adapters import EngineControl, NoSeat, ProxyControl, WeightsSeat
 from services.cell.agent import CellAgent, request_switch
 from services.cell.core import SwitchRefused, plan
 from services.engine.client import EngineClient
@@ -91,9 +91,10 @@ async def test_a_failed_join_rolls_back_to_inference(proxy, engines, model_dir) 
     base = await proxy.rollout("cell-2")
     histories = [[{"role": "user", "content": f"task {i}"}] for i in range(2)]
     await talk(base, histories)
+    left = seat.left  # (registering makes a seat leave: a no-op when it has not joined)
     rec = await agents[1].switch("training")
     assert not rec.ok and rec.failed_phase == "joining" and agents[1].role == "inference"
-    assert seat.left == 1
+    assert seat.left == left + 1
     failed = [e for e in await cell_events(proxy.bus) if isinstance(e, SwitchFailed)]
     assert failed and failed[0].phase == "joining" and failed[0].role == "inference"
     assert proxy.service.router.cells["e1"].state.value == "active"  # serving again
@@ -150,7 +151,11 @@ async def test_a_rollback_that_cannot_resume_keeps_the_cell_out_of_routing_until
     await talk(await proxy.rollout("cell-repair"), [[{"role": "user", "content": "hi"}]])
 
 
-async def test_a_phase_that_cannot_be_announced_fails_in_the_phase_the_log_knows(proxy, engines, model_dir) -> None:
+async def test_a_phase_that_cannot_be_announced_fails_in_the_phase_the_log_knows(proxy, engines, model_dir,
+                                                                                 monkeypatch) -> None:
+    import services.cell.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "ANNOUNCE_RETRY_S", (0.01,), raising=False)
     agents = await setup_cells(proxy, engines, model_dir)
     cell = agents[1]
     publish = cell.bus.publish
@@ -167,15 +172,18 @@ async def test_a_phase_that_cannot_be_announced_fails_in_the_phase_the_log_knows
         rec = await cell.switch("training")
     finally:
         cell.bus.publish = publish
-    assert calls["n"] == 1 and not rec.ok and rec.failed_phase == "releasing" and cell.role == "inference"
+    assert calls["n"] == 2 and not rec.ok and rec.failed_phase == "releasing" and cell.role == "inference"
     failed = [e for e in await cell_events(proxy.bus) if isinstance(e, SwitchFailed)]
     assert failed[-1].phase == "releasing" and failed[-1].role == "inference"
     assert await cell.engine.released() == [] and proxy.service.router.cells["e1"].state.value == "active"
 
 
-async def test_a_failed_resuming_announcement_puts_the_seat_back(proxy, engines, model_dir) -> None:
+async def test_a_failed_resuming_announcement_puts_the_seat_back(proxy, engines, model_dir, monkeypatch) -> None:
     """Leaving ran (the seat left), then announcing resuming failed: the cell is reported
     in training, in the phase the log knows, and its seat is joined again."""
+    import services.cell.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "ANNOUNCE_RETRY_S", (0.01,), raising=False)
     agents = await setup_cells(proxy, engines, model_dir)
     cell = agents[1]
     assert (await cell.switch("training")).ok
@@ -240,6 +248,90 @@ async def test_a_restarted_agent_resumes_an_engine_left_released(proxy, engines,
     await again.register()  # as the agent process does when it starts again
     assert await again.engine.released() == []
     await talk(await proxy.rollout("cell-restart"), [[{"role": "user", "content": "hi"}]])
+
+
+async def test_a_phase_announcement_whose_ack_was_lost_is_sent_again(proxy, engines, model_dir,
+                                                                     monkeypatch) -> None:
+    """The migrating announcement is stored but its ack is lost: the agent announces it
+    again (the same event: JetStream keeps one copy) and the switch goes on, as the log says."""
+    import services.cell.agent as agent_module
+
+    monkeypatch.setattr(agent_module, "ANNOUNCE_RETRY_S", (0.01,), raising=False)
+    agents = await setup_cells(proxy, engines, model_dir, seat_for_e1=NoSeat())  # no model to load
+    cell = agents[1]
+    publish = cell.bus.publish
+    lost: list[str] = []
+
+    async def lossy(event):
+        seq = await publish(event)
+        if isinstance(event, SwitchPhaseEntered) and event.phase == "migrating" and not lost:
+            lost.append(event.event_id)
+            raise TimeoutError("nats: timeout waiting for the publish ack")
+        return seq
+
+    cell.bus.publish = lossy
+    try:
+        rec = await cell.switch("training", causation_id="lost-ack")
+    finally:
+        cell.bus.publish = publish
+    assert lost and rec.ok and cell.role == "training"
+    mine = [e for e in await cell_events(proxy.bus) if getattr(e, "causation_id", None) == "lost-ack"]
+    assert [getattr(e, "phase", type(e).__name__) for e in mine] == ["draining", "migrating", "releasing", "joining",
+                                                                     "SwitchCompleted"]
+    assert (await cell.switch("inference")).ok
+
+
+async def test_a_command_sent_again_is_answered_with_its_outcome(proxy, engines, model_dir) -> None:
+    """A scheduler that restarted or heard nothing for too long sends the command again,
+    with the same causation id: nothing is done, refused or logged twice."""
+    agents = await setup_cells(proxy, engines, model_dir, seat_for_e1=NoSeat())  # no model to load
+    first = await agents[1].switch("training", causation_id="req-again")
+    logged = len(await cell_events(proxy.bus))
+    again = await agents[1].switch("training", causation_id="req-again")
+    assert first.ok and again is first and agents[1].role == "training"
+    assert len(await cell_events(proxy.bus)) == logged
+    refused = await agents[1].switch("training", causation_id="req-other")  # another request is refused
+    assert refused.failed_phase == "refused"
+    assert (await agents[1].switch("inference")).ok
+
+
+async def test_a_restarted_agent_resumes_an_engine_that_does_not_say_it_is_released(proxy, engines, model_dir) -> None:
+    """SGLang lists no released memory in server_info: the cells stream says the cell trained."""
+    from ._fakes import SaysNothingReleased
+
+    agents = await setup_cells(proxy, engines, model_dir, seat_for_e1=NoSeat())  # no model to load
+    assert (await agents[1].switch("training")).ok
+    again = CellAgent(name="e1", run_id="ptest", bus=proxy.bus, proxy=ProxyControl(proxy.url, ADMIN),
+                      engine=SaysNothingReleased(agents[1].engine), seat=WeightsSeat(model_dir),
+                      engine_url=engines[1].url)
+    await again.register()
+    assert await agents[1].engine.released() == []
+    await talk(await proxy.rollout("cell-restart-sglang"), [[{"role": "user", "content": "hi"}]])
+
+
+async def test_a_restarted_core_agent_asks_its_trainer_to_leave(proxy, engines, model_dir) -> None:
+    """With the core's trainer following c0's role, c0 trains, then its agent restarts and
+    registers in inference: the trainer must stop claiming, or the cell is in two roles."""
+    from services.cell.adapters import TrainerSeat
+    from services.trainer.gate import GatedWorker
+
+    from ._fakes import IdleWorker
+
+    gate = GatedWorker(IdleWorker(), "e0")
+    sub = await gate.serve(proxy.bus.nc, "ptest")
+    try:
+        agents = await setup_cells(proxy, engines, model_dir)
+        agents[0].seat = TrainerSeat(proxy.bus, "ptest", "e0")
+        assert (await agents[0].switch("training")).ok and gate.claiming
+        again = CellAgent(name="e0", run_id="ptest", bus=proxy.bus, proxy=ProxyControl(proxy.url, ADMIN),
+                          engine=agents[0].engine, seat=TrainerSeat(proxy.bus, "ptest", "e0"),
+                          engine_url=engines[0].url, is_core=True)
+        await again.register()
+        assert not gate.claiming and again.role == "inference"
+        assert await again.engine.released() == []
+    finally:
+        await sub.unsubscribe()
+        await gate.leave()
 
 
 async def test_switch_command_over_nats(proxy, engines, model_dir) -> None:

@@ -60,3 +60,22 @@ def test_with_the_step_size_known_the_update_waits_for_groups_not_started_yet() 
     d.apply(_started("b1", "gb", 0))
     d.apply(GroupQueued(run_id=RUN, step=0, group_id="gb", micro_steps=0))  # nothing to train in gb
     assert d.update_pending
+
+
+def test_the_batch_is_ready_once_every_group_of_the_step_is_queued() -> None:
+    """What ``colocate`` waits for live: the step's whole batch queued, until its update."""
+    d = Demand(groups_per_step=2)
+    d.apply(_started("a1", "ga", 0))
+    d.apply(_queued("ga-m0", "ga", 0, of=1))
+    d.apply(GroupQueued(run_id=RUN, step=0, group_id="ga", micro_steps=1))
+    assert not d.batch_ready  # gb has not started
+    d.apply(_started("b1", "gb", 0))
+    d.apply(_queued("gb-m0", "gb", 0, of=1))
+    assert not d.batch_ready  # gb's GroupQueued is not read yet
+    d.apply(GroupQueued(run_id=RUN, step=0, group_id="gb", micro_steps=1))
+    assert d.batch_ready
+    d.apply(_done("ga-m0", 0))
+    d.apply(_done("gb-m0", 0))
+    assert d.batch_ready and d.update_pending  # trained, not applied: every cell still trains
+    d.apply(StepApplied(run_id=RUN, step=0, weight_version=1))
+    assert not d.batch_ready

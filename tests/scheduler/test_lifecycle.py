@@ -150,3 +150,21 @@ def test_failed_switch_to_inference_stays_in_training() -> None:
 def test_evolve_rejects_foreign_objects() -> None:
     with pytest.raises(TypeError, match="not a scheduler fact"):
         evolve(cluster(1), object())  # type: ignore[arg-type]
+
+
+def test_a_failure_reported_in_a_phase_the_switch_passed_rolls_back_from_where_the_log_is() -> None:
+    """The agent announced migrating, the log stored it, the ack was lost: the agent reports
+    the failure in draining (the last phase it knows the log has). The fold rolls back from
+    migrating; a phase the switch has not reached, or one of another path, is still refused."""
+    state = evolve_all(cluster(2), to_training("c0")[:2])
+    assert state.cell("c0").phase is CellPhase.MIGRATING
+    back = evolve(state, SwitchAborted(cell="c0", role=Role.INFERENCE, phase=CellPhase.DRAINING, reason="ack", at=5))
+    assert back.cell("c0").phase is CellPhase.INFERENCE and back.cell("c0").last_failure == "ack"
+    for phase in (CellPhase.RELEASING, CellPhase.LEAVING):
+        with pytest.raises(IllegalTransition, match=f"failure reported in {phase.value} but the cell is migrating"):
+            evolve(state, SwitchAborted(cell="c0", role=Role.INFERENCE, phase=phase, reason="x", at=5))
+    with pytest.raises(IllegalTransition, match="must roll back to inference"):
+        evolve(state, SwitchAborted(cell="c0", role=Role.TRAINING, phase=CellPhase.DRAINING, reason="x", at=5))
+    resuming = evolve_all(cluster(2), to_training("c0") + to_inference("c0")[:2])
+    kept = evolve(resuming, SwitchAborted(cell="c0", role=Role.TRAINING, phase=CellPhase.LEAVING, reason="x", at=13))
+    assert kept.cell("c0").phase is CellPhase.TRAINING

@@ -281,3 +281,154 @@ async def test_a_request_stored_behind_a_lost_ack_is_still_sent(js_bus) -> None:
     await live.tick()  # ... and sends it (and decides nothing new for c0, which is draining)
     await asyncio.sleep(0.1)
     assert sent == [("c0", "training")]
+
+
+async def test_a_request_a_stopped_scheduler_never_sent_goes_out_after_a_restart(js_bus) -> None:
+    """The scheduler before stored c0's request and stopped before sending it: the log has
+    c0 draining. The next one sends it on its first tick, with the request's id (an agent
+    that did get it answers it from memory), and not again while it waits for the answer."""
+    from services.scheduler.core import ColocatePolicy
+
+    run, bus = "restart", js_bus
+    for ev in _two_cells(run):
+        await bus.publish(ev)
+    request = SwitchRequested(run_id=run, cell="c0", from_role="inference", to_role="training", water_level=0.0,
+                              reason="backlog")
+    await bus.publish(request)
+    sent: list[tuple[str, str, str]] = []
+    answer = asyncio.Event()
+
+    async def proxy_stats() -> dict:
+        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        sent.append((cell, to_role, causation))
+        await answer.wait()  # the agent at work
+        return {"ok": True}
+
+    live = LiveScheduler(run_id=run, bus=bus, policy=ColocatePolicy(), proxy_stats=proxy_stats,
+                         send_switch=send_switch)
+    await live.catch_up_cells()
+    assert live.state.cell("c0").phase.value == "draining"
+    await live.tick()
+    await asyncio.sleep(0.05)
+    assert sent == [("c0", "training", request.event_id)]
+    await live.tick()
+    await asyncio.sleep(0.05)
+    assert len(sent) == 1
+    answer.set()
+
+
+async def test_a_switch_nothing_is_heard_of_is_sent_again_and_a_dead_agent_recorded(js_bus) -> None:
+    """c0's agent died half-way (the log has it migrating) and no command of ours waits on
+    it: once nothing was heard of it for the request timeout, the command goes again;
+    nobody answers, so a SwitchFailed is recorded for it and it is back in inference."""
+    from nats.errors import NoRespondersError
+
+    from services.scheduler.core import ColocatePolicy
+
+    run, bus = "silent", js_bus
+    request = SwitchRequested(run_id=run, cell="c0", from_role="inference", to_role="training", water_level=0.0,
+                              reason="backlog")
+    for ev in (*_two_cells(run), request, SwitchPhaseEntered(run_id=run, cell="c0", phase="draining"),
+               SwitchPhaseEntered(run_id=run, cell="c0", phase="migrating")):
+        await bus.publish(ev)
+    sent: list[tuple[str, str, str]] = []
+
+    async def proxy_stats() -> dict:
+        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        sent.append((cell, to_role, causation))
+        raise NoRespondersError()
+
+    clock = [time.time()]
+    live = LiveScheduler(run_id=run, bus=bus, policy=ColocatePolicy(), proxy_stats=proxy_stats,
+                         send_switch=send_switch, clock=lambda: clock[0])  # the request timeout: 300 s
+    await live.catch_up_cells()
+    for advance in (0, 100, 150):  # 250 s of silence
+        clock[0] += advance
+        await live.tick()
+        await asyncio.sleep(0.05)
+    assert sent == [] and live.state.cell("c0").phase.value == "migrating"
+    clock[0] += 100
+    await live.tick()
+    for _ in range(50):
+        await asyncio.sleep(0.05)
+        if live.switch_answers:
+            break
+    assert sent == [("c0", "training", request.event_id)]
+    await live.catch_up_cells()
+    c0 = live.state.cell("c0")
+    assert c0.phase.value == "inference" and "no cell agent answered" in c0.last_failure
+    assert not live.fold.errors
+    assert (await _replayed(bus, run)).state == live.state
+
+
+async def test_colocate_moves_every_cell_to_training_once_the_batch_is_queued(js_bus) -> None:
+    from libs.common.events import GroupQueued, RolloutStarted
+
+    from services.scheduler.core import ColocatePolicy
+
+    run, bus = "colocate", js_bus
+    for ev in _two_cells(run):
+        await bus.publish(ev)
+    sent: list[tuple[str, str]] = []
+
+    async def proxy_stats() -> dict:
+        return {"cells": [{"name": "c0", "in_flight": 0}, {"name": "c1", "in_flight": 0}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        sent.append((cell, to_role))
+        return {"ok": True}
+
+    live = LiveScheduler(run_id=run, bus=bus, policy=ColocatePolicy(), proxy_stats=proxy_stats,
+                         send_switch=send_switch, groups_per_step=1)
+    await bus.publish(RolloutStarted(run_id=run, rollout_id="r1", task_id="t", group_id="g", harness="h",
+                                     weight_version=0, api_key_digest=D, step=0, purpose="train"))
+    await bus.publish(MicroStepQueued(run_id=run, step=0, micro_step="g.0", group_id="g", sample_digests=[D],
+                                      advantages=[1.0], n_tokens=10, group_micro_steps=1))
+    await _feed_demand(live)
+    await live.catch_up_cells()
+    await live.tick()
+    await asyncio.sleep(0.05)
+    assert sent == []  # the group is not queued in full yet
+    await bus.publish(GroupQueued(run_id=run, step=0, group_id="g", micro_steps=1))
+    await _feed_demand(live)
+    await live.tick()
+    await asyncio.sleep(0.05)
+    assert sent == [("c0", "training"), ("c1", "training")]  # the core first
+
+
+async def _feed_demand(live: LiveScheduler) -> None:
+    """The demand followers are not running: feed the new demand events by hand."""
+    live.demand = type(live.demand)(groups_per_step=live.demand.groups_per_step)
+    for context in (Context.ROLLOUTS, Context.TREES):
+        async for d in live.bus.read(context):
+            live.demand.apply(d.event)
+
+
+async def test_the_first_tick_sees_the_whole_history(js_bus) -> None:
+    """Demand written before the scheduler started is read to the streams' ends before it
+    decides anything (no fixed wait for the followers)."""
+    run, bus = "history", js_bus
+    for ev in _two_cells(run):
+        await bus.publish(ev)
+    n = 300
+    await bus.publish_many([MicroStepQueued(run_id=run, step=0, micro_step=f"0.{i}", group_id="g",
+                                            sample_digests=[D], advantages=[1.0], n_tokens=10) for i in range(n)])
+    seen: list[int] = []
+    stop = asyncio.Event()
+
+    async def proxy_stats() -> dict:
+        seen.append(live.demand.backlog)
+        stop.set()
+        return {"cells": [{"name": "c0", "in_flight": 1}, {"name": "c1", "in_flight": 1}]}
+
+    async def send_switch(cell: str, to_role: str, causation: str) -> dict:
+        return {"ok": True}
+
+    live = LiveScheduler(run_id=run, bus=bus, policy=ElasticPolicy(), proxy_stats=proxy_stats,
+                         send_switch=send_switch, tick_s=0.01)
+    await asyncio.wait_for(live.run(stop), 20)
+    assert seen[0] == n

@@ -18,7 +18,9 @@ Worked example (a satellite cell ``c3`` moving to training and back)::
 
 ``SwitchAborted`` from any transitional phase lands the cell in the stable phase of the
 role it reports (``ROLLBACK`` lists which are allowed): before the inference memory is
-gone a cell returns to inference; a cell that fails to resume stays in training.
+gone a cell returns to inference; a cell that fails to resume stays in training. It may
+name the phase the cell is in or one the switch passed already (``passed_on_path``: the
+log stored an announcement the agent never heard was stored).
 
 The core cell follows the same phases but never gives up the optimizer state or the
 authoritative weights (``Cell.owns_optimizer``): while it serves inference the optimizer
@@ -116,6 +118,12 @@ def check_phase_reached(cell: str, phase: CellPhase, reached: CellPhase) -> Cell
             f"(next is {expected.value})"
         )
     return reached
+
+
+def passed_on_path(phase: CellPhase) -> tuple[CellPhase, ...]:
+    """The phases a switch now in ``phase`` went through before it (none for a stable one)."""
+    path = SWITCH_PATH[phase.heading_to]
+    return path[: path.index(phase)] if phase in path else ()
 
 
 def check_switch_finished(cell: str, phase: CellPhase, role: Role) -> CellPhase:

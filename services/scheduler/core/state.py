@@ -10,7 +10,10 @@ may start toward training only while the core is in or heading to training, and 
 may start leaving training only once no satellite is in or heading to it. A failed or
 refused switch, or a cell registering again after a restart, puts the cell in the role it
 reports, even where that breaks the rule (the cell's word on itself stands); the policies
-then move the satellites back.
+then move the satellites back. A failure may be reported in a phase the switch already
+passed (the agent announced the next one, the log stored it, the acknowledgement was lost:
+the agent reports the last phase it knows the log has); it rolls back from where the log
+says the cell is.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from .lifecycle import (
     check_rollback,
     check_switch_finished,
     check_switch_start,
+    passed_on_path,
 )
 
 
@@ -196,7 +200,7 @@ def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerStat
     cell = state.cell(fact.cell)
     if fact.phase is None:  # refused before any phase: the cell's own word on its role stands
         return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason))
-    if fact.phase is not cell.phase:
+    if fact.phase is not cell.phase and fact.phase not in passed_on_path(cell.phase):
         raise IllegalTransition(
             f"cell {cell.name}: failure reported in {fact.phase.value} but the cell is {cell.phase.value}"
         )
