@@ -51,7 +51,6 @@ from .core.spec import TaskEvaluatorSpec
 from .settings import EvaluatorSettings
 
 log = logging.getLogger(__name__)
-_MARGIN_S = 60.0  # of the ack wait, kept for fetching, unpacking, plugin scorers and publishing
 ScoreEvent = RolloutScored | RolloutScoringFailed
 
 
@@ -80,11 +79,6 @@ class Evaluator:
 
     async def start(self) -> str:
         """Prepare the scratch folder and pick the sandbox; returns the isolation in force."""
-        if self.judge is not None and self.judge.time_budget_s() >= self.settings.ack_wait_s:
-            raise ValueError(
-                f"the judge may take {self.judge.time_budget_s():g}s (attempts x timeout_s + backoff), not under "
-                f"ack_wait_s ({self.settings.ack_wait_s:g}s): a rollout would be redelivered and scored twice; "
-                "raise GYRE_EVALUATOR_ACK_WAIT_S or lower the judge's timeout_s/attempts")
         root = self.settings.work_root
         root.mkdir(parents=True, exist_ok=True)
         os.chmod(root, 0o711)  # sandbox uids must reach their folder, not list the others
@@ -101,7 +95,6 @@ class Evaluator:
         try:
             try:
                 spec = await self._spec_for(ended)
-                self._check_time_budget(spec)
                 data = await self._snapshot(ended)
             except (_Unscorable, TransientError):
                 raise
@@ -127,19 +120,6 @@ class Evaluator:
         finally:
             if workdir is not None and not self.settings.keep_workdirs:
                 await self._remove_workdir(workdir)
-
-    def _check_time_budget(self, spec: TaskEvaluatorSpec) -> None:
-        """A scoring that can outlast the bus's ack wait is redelivered while it runs and
-        scored twice, so such a task is refused outright."""
-        budget = spec.limits.wall_s
-        if spec.combine.uses_judge and self.judge is not None:
-            budget += self.judge.time_budget_s()
-        if budget + _MARGIN_S >= self.settings.ack_wait_s:
-            raise _Unscorable(
-                f"task {spec.task_id}: limits.wall_s ({spec.limits.wall_s:g}s) plus the judge's time comes to "
-                f"{budget:g}s, not safely under the evaluator's ack_wait_s ({self.settings.ack_wait_s:g}s, "
-                f"{_MARGIN_S:g}s kept for unpacking and scoring): lower the task's wall_s or raise "
-                "GYRE_EVALUATOR_ACK_WAIT_S")
 
     async def _remove_workdir(self, workdir: Path) -> None:
         """Best effort: a workspace that cannot be deleted costs disk space, never the outcome."""
@@ -307,6 +287,9 @@ class Evaluator:
             batch=1,  # one rollout per fetch, so the workers share the queue
             max_deliver=3,
             ack_wait_s=self.settings.ack_wait_s,
+            # a scoring keeps its rollout however long its tests and judge take; a dead
+            # evaluator's rollout goes to another ack_wait_s after its last heartbeat
+            heartbeat_s=min(30.0, self.settings.ack_wait_s / 3),
         )
 
     async def run(self, stop: StopSignal) -> None:

@@ -40,7 +40,8 @@ class EvaluatorSettings(BaseSettings):
     python: str = Field(default=sys.executable, description="interpreter (with pytest) that runs hidden tests")
     run_id: str | None = Field(default=None, description="score this run only; None = every run")
     consumer_name: str = "evaluator"
-    ack_wait_s: float = Field(default=1800.0, gt=0, description="longer than the longest evaluation")
+    ack_wait_s: float = Field(default=300.0, gt=0, description="how long after an evaluator's last heartbeat "
+                              "(every min(30 s, ack_wait_s / 3) while it scores) its rollout goes to another")
     max_snapshot_bytes: int = Field(default=512 * 2**20, ge=1024)
     max_unpacked_bytes: int = Field(default=2 * 2**30, ge=1024)
     max_members: int = Field(default=100_000, ge=1)

@@ -46,13 +46,20 @@ class GatedWorker:
         self._task: asyncio.Task | None = None
         self._pause = asyncio.Event()
         self._lock = asyncio.Lock()
+        self.commands = 0  # join/leave requests received: each is newer than any log read before it
 
     @property
     def claiming(self) -> bool:
         return self._task is not None and not self._task.done()
 
-    async def join(self) -> None:
+    async def join(self, *, unless_commanded_since: int | None = None) -> None:
+        """Starts claiming. With ``unless_commanded_since`` (a ``commands`` count), only if
+        no join/leave request came since then: the cell's own word outranks a log read
+        that may predate it."""
         async with self._lock:
+            if unless_commanded_since is not None and self.commands != unless_commanded_since:
+                log.info("core worker: cell %s sent a request while its role was read; follows that", self.cell)
+                return
             if self.claiming:
                 return
             if self._task is not None:  # ended by itself (crashed): say so, start again
@@ -75,6 +82,7 @@ class GatedWorker:
 
     async def serve(self, nc: Any, run_id: str) -> Any:
         async def on_request(msg: Any) -> None:
+            self.commands += 1
             try:
                 op = json.loads(msg.data).get("op")
                 if op == "join":
@@ -97,8 +105,9 @@ async def run_gated(worker: Any, bus: Any, run_id: str, cell: str, stop: asyncio
     gated = GatedWorker(worker, cell)
     sub = await gated.serve(bus.nc, run_id)
     try:
+        seen = gated.commands
         if await last_role(bus, run_id, cell) == "training":
-            await gated.join()
+            await gated.join(unless_commanded_since=seen)  # a leave sent meanwhile (a restarted agent) wins
         await stop.wait()
     finally:
         await sub.unsubscribe()

@@ -12,8 +12,9 @@ A micro-step of a step the core has not reached yet (version ``s`` not published
 held at most ``future_hold_s`` and then put back (the handler raises :class:`NotYet`, the
 bus naks it with the queue's short retry delay): a cell never sits on a future claim
 while a claim of the current step, redelivered from a cell that died, waits in the queue
-for someone to fetch it. (The bus has no in-progress signal for a claim, so one computed
-for longer than ``ack_wait_s`` is delivered again elsewhere; the core counts it once.)
+for someone to fetch it. While a micro-step is computed the claim is kept alive (the
+queue's heartbeat, every min(30 s, ``ack_wait_s`` / 3)), so a slow micro-step is not
+computed twice; a dead cell's claim goes to another ``ack_wait_s`` after its last beat.
 
 Each ``MicroStepDone`` carries :func:`objective_key`: the objective, the backend and a
 hash of the parameter layout the flat gradient follows; the core adds only results whose
@@ -115,7 +116,7 @@ def work_queue_config(settings: WorkerSettings) -> ConsumerConfig:
     return ConsumerConfig(name=settings.queue_name, context=Context.TREES,
                           filter_subject=f"gyre.{settings.run_id}.trees.{MicroStepQueued.TYPE}.>",
                           batch=1, max_deliver=MAX_DELIVER, ack_wait_s=settings.ack_wait_s,
-                          retry_delay_s=settings.retry_delay_s)
+                          retry_delay_s=settings.retry_delay_s, heartbeat_s=min(30.0, settings.ack_wait_s / 3))
 
 
 # Every time a claim of a future step is put back (once per ``future_hold_s`` + the retry

@@ -53,18 +53,14 @@ async def test_a_failed_outcome_in_the_log_also_counts(make_harness):
     assert [type(e) for e in await outcomes(h)] == [RolloutScoringFailed]
 
 
-async def test_a_task_that_can_outlast_the_ack_wait_is_refused_with_the_reason(make_harness):
-    h = await make_harness(ack_wait_s=100)
-    ev = await h.score(calc_spec("slow", limits=Limits(wall_s=50)), tar_of({"calc.py": CALC_OK}))
-    assert isinstance(ev, RolloutScoringFailed)
-    assert "limits.wall_s (50s)" in ev.reason and "ack_wait_s (100s" in ev.reason, ev.reason
-    ev = await h.score(calc_spec("quick", limits=Limits(wall_s=20)), tar_of({"calc.py": CALC_OK}))
+async def test_a_task_longer_than_the_ack_wait_is_scored_under_a_heartbeat(make_harness):
+    """The consumer heartbeats while scoring (the bus contract test proves the claim is
+    kept), so a task's wall_s and a slow judge need not fit under ack_wait_s."""
+    h = await make_harness(ack_wait_s=100, judge_url=_closed_port_url())
+    config = h.evaluator.consumer_config()
+    assert config.heartbeat_s is not None and config.heartbeat_s < config.ack_wait_s
+    ev = await h.score(calc_spec("slow", limits=Limits(wall_s=500)), tar_of({"calc.py": CALC_OK}))
     assert isinstance(ev, RolloutScored) and ev.score == 1.0
-
-
-async def test_a_judge_slower_than_the_ack_wait_is_refused_at_start(make_harness):
-    with pytest.raises(ValueError, match="judge may take .* not under ack_wait_s"):
-        await make_harness(judge_url=_closed_port_url(), ack_wait_s=5)
 
 
 async def test_an_unreachable_judge_is_transient_while_a_redelivery_is_possible(make_harness):

@@ -196,3 +196,29 @@ async def test_the_cli_tools_leave_deployed_streams_as_the_services_made_them(na
     finally:
         await tool.close()
         await service.close()
+
+
+@pytest.mark.parametrize("heartbeat_s", [None, 0.3])
+async def test_a_heartbeat_keeps_a_slow_handlers_claim(nats_server, heartbeat_s) -> None:
+    """Two workers share a queue with a 1 s ack wait; the first handles its event for 2.5 s.
+    Without a heartbeat the second gets it too; with one, the claim stays the first's."""
+    from libs.common.bus.jetstream import JetStreamBus
+
+    bus = await JetStreamBus.connect(nats_server.url)
+    try:
+        await bus.publish(started(0))
+        cfg = ConsumerConfig(name="slow", context=Context.ROLLOUTS, batch=1, ack_wait_s=1.0, heartbeat_s=heartbeat_s)
+        seen: list[int] = []
+        stop = asyncio.Event()
+
+        async def handle(d: Delivery) -> None:
+            seen.append(d.num_delivered)
+            if len(seen) == 1:
+                await asyncio.sleep(2.5)
+                stop.set()
+
+        await asyncio.wait_for(asyncio.gather(bus.run_consumer(cfg, handle, stop=stop),
+                                              bus.run_consumer(cfg, handle, stop=stop)), 10)
+        assert seen == ([1] if heartbeat_s else [1, 2])
+    finally:
+        await bus.close()

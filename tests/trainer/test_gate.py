@@ -65,3 +65,25 @@ async def test_a_seat_without_its_trainer_fails_the_join_clearly(js_bus) -> None
     seat = TrainerSeat(js_bus, "gate3", "c0", tries=2)  # the switch then rolls back to inference
     with pytest.raises(RuntimeError, match="no core trainer answers for cell c0"):
         await seat.join(0)
+
+
+async def test_a_leave_sent_while_the_role_is_read_wins_over_the_log(js_bus, monkeypatch) -> None:
+    """A restarting core agent asks the trainer to leave while the trainer, starting too,
+    still reads 'training' from the log: the request is newer, so the worker does not claim."""
+    import services.trainer.gate as gate
+
+    left = asyncio.Event()
+
+    async def stale_role(bus, run_id, cell):
+        await left.wait()  # the read ends after the agent's leave was answered
+        return "training"
+
+    monkeypatch.setattr(gate, "last_role", stale_role)
+    worker, stop = RecordingWorker(), asyncio.Event()
+    task = asyncio.create_task(run_gated(worker, js_bus, "gate4", "c0", stop))
+    await TrainerSeat(js_bus, "gate4", "c0").leave()
+    left.set()
+    await asyncio.sleep(0.2)
+    assert worker.runs == 0
+    stop.set()
+    await asyncio.wait_for(task, 10)

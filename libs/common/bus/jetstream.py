@@ -64,6 +64,17 @@ def ack_position(msg: Any) -> tuple[str, int, int]:
     return meta.stream, meta.sequence.stream, meta.num_delivered
 
 
+async def _heartbeat(msgs: list[Any], every_s: float) -> None:
+    """Tells the server, every ``every_s``, that ``msgs`` are still being worked on."""
+    while True:
+        await asyncio.sleep(every_s)
+        for msg in msgs:
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # a reconnecting client: the next beat tries again
+                log.debug("heartbeat for %s failed: %r", msg.subject, exc)
+
+
 def headers_for(event: Event) -> dict[str, str]:
     return {"Nats-Msg-Id": event.event_id, HDR_TYPE: event.TYPE}
 
@@ -217,6 +228,8 @@ class JetStreamBus:
                 await self._dead_letter(config, msg, f"undecodable: {exc}")
                 continue
             delivery = Delivery(event, stream, seq, msg.subject, delivered)
+            # this event and the batch's rest, which wait their turn
+            beat = asyncio.create_task(_heartbeat(msgs[i:], config.heartbeat_s)) if config.heartbeat_s else None
             try:
                 await handler(delivery)
             except PermanentError as exc:
@@ -231,6 +244,9 @@ class JetStreamBus:
                 for rest in msgs[i:]:
                     await rest.nak(delay=config.retry_delay_s)
                 return
+            finally:
+                if beat is not None:
+                    beat.cancel()
             await msg.ack()
 
     async def _dead_letter(self, config: ConsumerConfig, msg: Any, reason: str) -> None:

@@ -60,7 +60,8 @@ class ConsumerConfig:
 
     ``filter_subject`` narrows the stream (e.g. ``gyre.run1.rollouts.>``). A handler that
     returns normally gets its message acked; one that raises is redelivered after
-    ``retry_delay_s`` up to ``max_deliver`` times, then dead-lettered; an event that does
+    ``retry_delay_s`` up to ``max_deliver`` times, then dead-lettered (with ``heartbeat_s`` a
+    running handler keeps its event however long it takes); an event that does
     not decode, or a ``PermanentError``, is dead-lettered at once. Dead letters go to
     ``gyredlq.<name>`` with the reason in the ``Gyre-Dead-Reason`` header.
     """
@@ -72,6 +73,11 @@ class ConsumerConfig:
     max_deliver: int = 5
     retry_delay_s: float = 1.0
     ack_wait_s: float = 30.0
+    # While a handler runs, tell the server every this many seconds that the event is in
+    # progress (JetStream's +WPI): a long handler keeps its claim however long it takes,
+    # and a dead one loses it ``ack_wait_s`` after its last word. None: no heartbeat (a
+    # handler slower than ack_wait_s sees its event delivered again elsewhere).
+    heartbeat_s: float | None = None
     start_seq: int | None = None  # for a new consumer: deliver from this sequence
     start_time: datetime | None = None  # ... or from this time
 
