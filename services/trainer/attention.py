@@ -164,10 +164,41 @@ class TreeAttention:
         return torch.cat(parts, dim=2)
 
 
+#: compiled flex_attention variants one process may hold (dtype, head size, grad mode, ...).
+#: torch's default of 8 was used up by the GPU check's mix of models; past the limit torch
+#: would run flex eagerly, which materialises [s, s] scores (1.3 TB at 300k tokens).
+FLEX_RECOMPILE_LIMIT = 64
+
+
 @functools.cache
 def _flex_attention(cuda: bool):
     """Compiled on GPU (the eager version materialises the scores; it is what CPU runs,
-    forward only, in tests). Untested here: this machine has no GPU."""
+    forward only, in tests). Sequence lengths are dynamic, so batches of new sizes reuse
+    the compiled kernel (checked on CPU: 1 graph for 6 layouts of two sizes); grad mode,
+    dtype and head size each compile once. Past ``FLEX_RECOMPILE_LIMIT`` variants the call
+    fails with a clear error instead of falling back to the eager, s^2-memory version.
+    Checked on an H200 by ``services.trainer.gpu_check``."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=True) if cuda else flex_attention
+    if not cuda:
+        return flex_attention
+    import torch._dynamo.config as dynamo_config
+
+    dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+    if not dynamo_config.suppress_errors:  # the two cannot both be set
+        dynamo_config.fail_on_recompile_limit_hit = True
+    compiled = torch.compile(flex_attention, dynamic=True)
+
+    def call(*args, **kwargs):
+        try:
+            return compiled(*args, **kwargs)
+        except Exception as exc:
+            if type(exc).__name__ == "FailOnRecompileLimitHit":
+                raise RuntimeError(
+                    f"flex attention was compiled more than {dynamo_config.recompile_limit} times in this "
+                    "process (each dtype, head size and grad mode is one variant); running it uncompiled "
+                    "would hold the full [tokens, tokens] score matrix, so the trainer stops here. Raise "
+                    "services.trainer.attention.FLEX_RECOMPILE_LIMIT or use attention mode 'blocks'") from exc
+            raise
+
+    return call

@@ -15,9 +15,12 @@ rewritten after every step, so a run cut short keeps what it measured):
    per-branch batch (about 970k): flex against blocks and dense where they fit, and
    against causal flash SDPA over the same number of tokens; ``pairs`` counts the
    (query, key) pairs the tree lets attend, ``tflops`` is 4·d·h·pairs·3.5 per second.
-3. ``bench_<backend>``: ``gyre bench train`` on the device for the ``--bench-preset``.
+3. ``flex_series_<backend>``: twelve micro-steps of new sizes with the no-grad logprob
+   pass between them, as a long-running trainer does: the compiled flex kernel must be
+   reused (each step reports ``compiled_graphs``; the compile cache is reset per step).
+3b. ``bench_<backend>``: ``gyre bench train`` on the device for the ``--bench-preset``.
 4. ``nccl_broadcast``: a two-process NCCL broadcast of 256 MB (the weight path to SGLang
-   cells); on one GPU both ranks share it, which NCCL may refuse, and that is recorded.
+   cells) on two GPUs; on one GPU a one-rank group (NCCL refuses two ranks on one device).
 5. ``bench_default_<backend>``: the issue's target scale (``default`` preset) for each
    backend named in ``--default-bench``.
 
@@ -36,13 +39,24 @@ import time
 import traceback
 
 
+def _compiled_graphs() -> int:
+    import torch._dynamo.utils
+
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
 def _step(report: dict, name: str, fn, out: str) -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()  # each step stands for its own trainer process: a fresh compile cache
     t0 = time.perf_counter()
+    graphs = _compiled_graphs()
     try:
         report[name] = {"ok": True, "detail": fn()}
     except Exception as exc:  # record and go on: the report is the product
         report[name] = {"ok": False, "detail": repr(exc)[:2000], "trace": traceback.format_exc()[-2000:]}
     report[name]["s"] = round(time.perf_counter() - t0, 2)
+    report[name]["compiled_graphs"] = _compiled_graphs() - graphs
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     print(json.dumps({name: {k: v for k, v in report[name].items() if k != "trace"}})[:3000], flush=True)
@@ -84,6 +98,51 @@ def _equality(backend_name: str, mode: str, device: str) -> dict:
             b = model.target_logprobs(tree_batch(samples), AttentionConfig())
         out["logprob_diff_vs_torch"] = float((a - b).abs().max())
     return out
+
+
+def _flex_series(device: str, backend_name: str = "torch", steps: int = 12) -> dict:
+    """What a long-running trainer does: micro-steps of a new size each time, with the
+    no-grad logprob pass between them, all in flex mode. Sequence lengths are dynamic,
+    so the compiled kernel is reused; the count of compiled graphs must stay small."""
+    import torch
+
+    from services.trajectory.bench import packed_samples
+
+    from .attention import AttentionConfig
+    from .backends.torch_hf import TinyModelConfig, TorchBackend
+    from .batch import tree_batch
+    from .bench import _fold
+    from .step import TrainConfig, compute_micro_step
+
+    cfg = TinyModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=256)
+    model = TorchBackend.tiny(cfg)
+    model.model.to(device)
+    if backend_name == "megatron":
+        from .backends.megatron import MegatronBackend
+
+        meg = MegatronBackend(cfg)
+        meg.load_hf_state_dict({k: v.cpu() for k, v in model.hf_state_dict().items()})
+        meg.model.to(device)
+        model = meg
+    config = TrainConfig(attention=AttentionConfig(mode="flex", block_size=128))
+    sizes, times = [], []
+    for i in range(steps):
+        # another workload seed and subset each step: a new token count every time
+        pool = [_fold(p, cfg.vocab_size) for p in packed_samples("small", seed=i)]
+        samples = [(p, 1.0 - 2.0 * ((i + j) % 2)) for j, p in enumerate(pool[: 1 + i % len(pool)])]
+        batch = tree_batch(samples)
+        t0 = time.perf_counter()
+        compute_micro_step(model, batch, config)
+        with torch.no_grad():
+            model.target_logprobs(batch, config.attention)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        sizes.append(batch.layout.n_tokens)
+    first_s, rest_s = times[0], times[1:]
+    return {"backend": backend_name, "steps": steps, "distinct_sizes": len(set(sizes)), "sizes": sizes,
+            "first_step_s": round(first_s, 3), "later_step_mean_s": round(sum(rest_s) / len(rest_s), 4),
+            "peak_memory_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2) if device == "cuda" else None}
 
 
 def attended_pairs(layout) -> int:
@@ -176,9 +235,9 @@ def _attention_speed(device: str, include_default: bool = True) -> dict:
 
 _NCCL_CHILD = r"""
 import os, sys, time, torch, torch.distributed as dist
-rank = int(sys.argv[1]); port = sys.argv[2]
-dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-torch.cuda.set_device(0)
+rank = int(sys.argv[1]); port = sys.argv[2]; world = int(sys.argv[3])
+torch.cuda.set_device(rank % torch.cuda.device_count())
+dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 t = torch.full((64 * 1024 * 1024,), float(rank == 0), device="cuda")  # 256 MB fp32
 dist.broadcast(t, 0); torch.cuda.synchronize()
 t0 = time.perf_counter()
@@ -192,13 +251,19 @@ dist.destroy_process_group()
 
 
 def _nccl_broadcast() -> dict:
+    """Two ranks on two GPUs when there are two; with one GPU NCCL refuses two ranks on
+    the same device ("Duplicate GPU detected", seen on an H200 with NCCL 2.28.9), so the
+    group has one rank: NCCL's set-up and collective launch are checked, not a transfer."""
     import socket
 
+    import torch
+
+    world = 2 if torch.cuda.device_count() >= 2 else 1
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    procs = [subprocess.Popen([sys.executable, "-c", _NCCL_CHILD, str(r), port], stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", _NCCL_CHILD, str(r), port, str(world)], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
     outs = []
     for p in procs:
         try:
@@ -206,7 +271,9 @@ def _nccl_broadcast() -> dict:
         except subprocess.TimeoutExpired:
             p.kill()
             outs.append("timed out after 90 s\n" + (p.communicate()[0] or ""))
-    result: dict = {"returncodes": [p.returncode for p in procs]}
+    result: dict = {"world_size": world, "returncodes": [p.returncode for p in procs]}
+    if world == 1:
+        result["two_ranks"] = "not run: one GPU (NCCL refuses two ranks on one device)"
     for r, text in enumerate(outs):
         line = [x for x in text.splitlines() if x.startswith("RESULT")]
         if line:
@@ -242,6 +309,8 @@ def main() -> None:
     for backend in ("torch", "megatron"):
         for mode in ("dense", "flex", "blocks"):
             step(f"equality_{backend}_{mode}", lambda b=backend, m=mode: _equality(b, m, args.device))
+    for backend in ("torch", "megatron"):
+        step(f"flex_series_{backend}", lambda b=backend: _flex_series(args.device, b))
     step("attention_speed", lambda: _attention_speed(args.device, include_default=args.device == "cuda"))
     from .bench import run_bench
 

@@ -153,3 +153,31 @@ def test_tree_block_mask_matches_the_pairwise_one(samples, block_size):
                 assert a_idx[row, :n].tolist() == b_idx[row, :n].tolist(), (idx, row)
         full_blocks += int(ours.full_kv_num_blocks.sum())
     assert full_blocks > 0 or block_size > 16  # small blocks: whole ones exist, flex skips their mask
+
+
+def test_compiled_flex_fails_clearly_past_its_recompile_limit(monkeypatch):
+    """On GPU flex attention is compiled; past the recompile limit torch would run it
+    eagerly (an [s, s] score matrix: 1.3 TB at 300k tokens, seen on an H200). The trainer
+    raises the limit and turns a hit into an error that says what happened."""
+    import torch._dynamo.config as dynamo_config
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from services.trainer import attention
+
+    def fake_compile(fn, dynamic=None):  # stands for a compiled kernel whose cache is full
+        def run(*args, **kwargs):
+            raise FailOnRecompileLimitHit("Hard failure due to fail_on_recompile_limit_hit")
+        return run
+
+    monkeypatch.setattr(torch, "compile", fake_compile)
+    monkeypatch.setattr(dynamo_config, "recompile_limit", dynamo_config.recompile_limit)
+    monkeypatch.setattr(dynamo_config, "fail_on_recompile_limit_hit", dynamo_config.fail_on_recompile_limit_hit)
+    attention._flex_attention.cache_clear()
+    try:
+        call = attention._flex_attention(True)
+        assert dynamo_config.recompile_limit >= attention.FLEX_RECOMPILE_LIMIT
+        assert dynamo_config.fail_on_recompile_limit_hit
+        with pytest.raises(RuntimeError, match="compiled more than .* times"):
+            call(None, None, None)
+    finally:
+        attention._flex_attention.cache_clear()
