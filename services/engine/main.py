@@ -38,6 +38,7 @@ def build(settings: EngineSettings) -> EngineService:
         torch.set_num_threads(settings.num_threads)
     location = resolve_model(settings.model, settings.cache_dir)
     runner = ModelRunner.load(location)
+    runner.output_kernel = settings.output_kernel
     kwargs: dict[str, Any] = {"gguf_file": location.gguf_file} if location.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(str(location.folder), **kwargs)
     engine = Engine(runner, tokenizer, settings)

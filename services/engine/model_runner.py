@@ -203,6 +203,10 @@ class ModelRunner:
         self._packed_head: tuple[tuple, torch.Tensor] | None = None
         self._pack_usable = torch.backends.mkldnn.is_available()
         self._lm_groups = next((g for g in (64, 32, 16, 8, 4, 2) if vocab % g == 0 and vocab // g >= 1024), 1)
+        # the one-row output kernel: "linear", "blocked" or "auto" (both timed on first use,
+        # then the faster kept for the life of the runner; see _output_product)
+        self.output_kernel: str = "auto"
+        self._one_row_kernel: str | None = None
         # intra-op threads the big ops may use (the engine thread itself runs on one)
         self.threads = torch.get_num_threads()
         self.output_threads = ThreadChoice()  # keyed by rows
@@ -271,6 +275,9 @@ class ModelRunner:
         if n > 1:
             with thread_count(self.threads):
                 self._packed_output_matrix()  # (re)built outside the timed call
+        elif self._one_row_kernel is None:
+            with thread_count(self.threads):
+                self._one_row_kernel = self._choose_one_row_kernel(hidden)  # outside the timed call
         use = self.output_threads.pick(n, self.threads)
         start = time.perf_counter()
         with thread_count(use):
@@ -278,17 +285,57 @@ class ModelRunner:
         self.output_threads.record(n, self.threads, use, time.perf_counter() - start)
         return out
 
+    def _blocked_usable(self) -> bool:
+        weight = self._lm_head.weight
+        groups = self._lm_groups
+        return (groups > 1 and weight.shape[0] % groups == 0 and self._lm_head.bias is None
+                and weight.is_contiguous())
+
+    def _choose_one_row_kernel(self, hidden: torch.Tensor) -> str:
+        """The one-row output kernel: the configured one, or under "auto" the faster of the
+        two, timed here once (interleaved, best of 5 each after a warm-up) and then kept,
+        so one process's outputs never switch kernels mid-run (they round differently)."""
+        if self.output_kernel not in ("auto", "linear", "blocked"):
+            raise ValueError(f"output_kernel must be auto, linear or blocked, not {self.output_kernel!r}")
+        if self.output_kernel != "auto":
+            return self.output_kernel if self._blocked_usable() else "linear"
+        if not self._blocked_usable():
+            return "linear"
+        best = {"linear": float("inf"), "blocked": float("inf")}
+        for round_ in range(6):
+            for kernel in best:
+                start = time.perf_counter()
+                self._one_row(hidden, kernel)
+                if round_:
+                    best[kernel] = min(best[kernel], time.perf_counter() - start)
+        kernel = min(best, key=best.get)
+        log.info("one-row output kernel: %s (best of 5: linear %.2f ms, blocked %.2f ms)", kernel,
+                 best["linear"] * 1e3, best["blocked"] * 1e3)
+        return kernel
+
+    def _one_row(self, hidden: torch.Tensor, kernel: str) -> torch.Tensor:
+        if kernel == "linear":
+            return self._lm_head(hidden)
+        weight = self._lm_head.weight
+        groups, vocab = self._lm_groups, weight.shape[0]
+        blocks = weight.view(groups, vocab // groups, weight.shape[1])
+        return torch.bmm(blocks, hidden.T.expand(groups, -1, 1)).view(vocab, 1).T
+
     def _output_product(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden @ lm_head.T`` as ``[n, vocab]``, exact fp32.
 
         The output matrix of a small model is most of its bytes (151936 x 128 fp32 is 78 MB
-        for the tiny model), so every decode step is one pass over it. On the CPU measured
-        (AMD EPYC, MKL) ``F.linear`` with one row reads it at about a quarter of memory
-        bandwidth and with 8 rows slower still. One row: the same product split into
-        ``groups`` row blocks of one batched matmul reads it at memory speed. Several rows:
-        oneDNN's matmul on a copy of the matrix in its blocked layout (built on first use,
-        rebuilt when the weight changes) is ~1.5x faster than that and writes ``[n, vocab]``
-        directly. Same dot products, fp32 throughout; only the kernel differs.
+        for the tiny model), so every decode step is one pass over it, and which kernel
+        reaches memory speed depends on the CPU. One row: on an AMD EPYC (MKL) ``F.linear``
+        read it at about a quarter of memory bandwidth and the same product split into
+        ``groups`` row blocks of one batched matmul at memory speed; on an Intel Xeon
+        ``F.linear`` took 1.5 ms on two threads and the blocks 3.0 ms (10 ms on one thread).
+        So the one-row kernel is timed once per runner and the faster kept
+        (``output_kernel``, ``GYRE_ENGINE_OUTPUT_KERNEL`` to fix it). Several rows: oneDNN's
+        matmul on a copy of the matrix in its blocked layout (built on first use, rebuilt
+        when the weight changes) was the fastest on both (Xeon, 8 rows, two threads: 2.2 ms
+        against 3.7 ms for ``F.linear``) and writes ``[n, vocab]`` directly. Same dot
+        products, fp32 throughout; only the kernel differs (and with it the last bits).
         """
         weight = self._lm_head.weight
         n = hidden.shape[0]
@@ -296,14 +343,18 @@ class ModelRunner:
             packed = self._packed_output_matrix()
             if packed is not None:
                 return torch.ops.mkldnn._linear_pointwise(hidden, packed, None, "none", [None], "")
+        if n == 1:
+            if self._one_row_kernel is None:
+                self._one_row_kernel = self._choose_one_row_kernel(hidden)
+            if self._one_row_kernel == "linear" or not self._blocked_usable():
+                return self._lm_head(hidden)
+            return self._one_row(hidden, "blocked")
         groups = self._lm_groups
         vocab = weight.shape[0]
-        if groups == 1 or vocab % groups or self._lm_head.bias is not None or not weight.is_contiguous():
+        if not self._blocked_usable():
             return self._lm_head(hidden)
         blocks = weight.view(groups, vocab // groups, weight.shape[1])
         out = torch.bmm(blocks, hidden.T.expand(groups, -1, n)).view(vocab, n)
-        if n == 1:
-            return out.T
         with single_thread():  # a plain copy: one thread keeps up with memory here
             return out.T.contiguous()
 

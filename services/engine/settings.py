@@ -25,6 +25,8 @@ class EngineSettings(BaseSettings):
     weight_version: str = "0"
     admin_token: SecretStr | None = None  # required by control endpoints when set
     num_threads: int | None = Field(default=None, ge=1)  # torch intra-op threads
+    # the one-row output matmul (every decode step): timed once and the faster kept, or fixed
+    output_kernel: Literal["auto", "linear", "blocked"] = "auto"
     scratch_dir: Path | None = None  # where released weights are parked; default: a temp dir
     # A weight update that finds requests running and generation not paused: "wait" holds new
     # requests and applies it once the running ones finish; "reject" refuses it (400, nothing

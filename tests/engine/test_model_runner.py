@@ -62,10 +62,12 @@ def test_unsupported_architectures_are_refused():
         ModelRunner(model, ModelLocation(Path(".")))
 
 
-def test_blocked_output_head_matches_transformers():
+@pytest.mark.parametrize("kernel", ["blocked", "linear", "auto"])
+def test_output_head_matches_transformers(kernel):
     # A vocabulary big enough for the row-blocked output matmul (the tiny-qwen path).
     model = _qwen2(5, vocab=16384, positions=128)
     runner = ModelRunner(model, ModelLocation(Path(".")))
+    runner.output_kernel = kernel
     assert runner._lm_groups > 1
     ids = [list(range(7, 30)), list(range(900, 912)), list(range(15000, 15040))]
     with torch.inference_mode():
@@ -77,6 +79,31 @@ def test_blocked_output_head_matches_transformers():
     for got, ref in zip([one[0], many[0], many[1]], refs):
         assert torch.allclose(got, ref, atol=1e-4, rtol=1e-4)
         assert int(got.argmax()) == int(ref.argmax())
+    assert runner._one_row_kernel == (kernel if kernel != "auto" else runner._one_row_kernel)
+    assert runner._one_row_kernel in ("linear", "blocked")
+
+
+def test_auto_output_kernel_is_chosen_once_and_kept(monkeypatch):
+    # The two one-row kernels round differently, so "auto" times them once and then keeps
+    # the faster for the runner's life, however the later timings go.
+    model = _qwen2(5, vocab=16384, positions=128)
+    runner = ModelRunner(model, ModelLocation(Path(".")))
+    timed = []
+    real = runner._one_row
+    monkeypatch.setattr(runner, "_one_row", lambda h, k: timed.append(k) or real(h, k))
+    kv = runner.new_kv(4)
+    first = runner.forward([ForwardItem(kv, [5, 6, 7], True)])
+    assert sorted(set(timed)) == ["blocked", "linear"] and len(timed) >= 12  # both timed, interleaved
+    chosen = runner._one_row_kernel
+    timed.clear()
+    for token in (8, 9, 10):
+        runner.forward([ForwardItem(kv, [token], True)])
+    assert runner._one_row_kernel == chosen and set(timed) <= {chosen}
+    assert first.shape == (1, 16384)
+    bad = ModelRunner(model, ModelLocation(Path(".")))
+    bad.output_kernel = "gemv"
+    with pytest.raises(ValueError, match="output_kernel"):
+        bad.forward([ForwardItem(bad.new_kv(4), [5], True)])
 
 
 def test_multi_row_output_follows_weight_writes():
@@ -125,11 +152,13 @@ def test_thread_choice_times_both_then_keeps_the_faster_and_probes_the_other():
     assert ThreadChoice().pick(1, 1) == 1  # one thread available: nothing to choose
 
 
-def test_one_or_all_threads_give_the_same_bits():
-    # The thread choice must move time only: the blocked (one row) and packed (several
-    # rows) output kernels and the layer pass compute each block whole on one thread.
+@pytest.mark.parametrize("kernel", ["blocked", "linear"])
+def test_one_or_all_threads_give_the_same_bits(kernel):
+    # The thread choice must move time only: the one-row output kernels (blocked, GEMV),
+    # the packed one (several rows) and the layer pass compute each block whole on one thread.
     model = _qwen2(7, vocab=16384, positions=2048, layers=2)
     runner = ModelRunner(model, ModelLocation(Path(".")))
+    runner.output_kernel = kernel
     runner.threads = 2
     prompts = [list(range(3, 1203)), list(range(9000, 9300))]  # a layer pass past the serial size
     results = []
