@@ -16,6 +16,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from .api import anthropic, openai_chat, openai_responses
@@ -97,9 +98,14 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
             return err(api, internal_error(e))
         started = time.monotonic()
         if req.stream:
+            # background: a caller gone before the first bytes went out leaves the body
+            # generator unstarted, so its own finally never runs; closing ``events`` here
+            # aborts the call on its cell and records it undelivered without waiting for
+            # the garbage collector to finalise the generator (a no-op when it is closed)
             return StreamingResponse(_sse(req, first, events, stream, stream_error, api, metrics, started),
                                      media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+                                     background=BackgroundTask(events.aclose))
         try:
             fin = await _collect(first, events, request)
         except ApiError as e:

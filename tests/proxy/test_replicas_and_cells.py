@@ -135,6 +135,51 @@ async def test_client_leaving_mid_stream_aborts_and_records_undelivered(proxy) -
     assert 0 < len(recorded[0].output_ids) < 200
 
 
+async def test_client_gone_before_the_stream_starts_aborts_and_records_undelivered(proxy) -> None:
+    """The caller leaves after its first token was generated but before the server sent
+    the response's first bytes: the body generator never starts, and the call must still
+    be aborted on its cell and recorded (the response's background task closes it)."""
+    import json
+
+    from services.proxy.app import create_app
+
+    await proxy.rollout("dc-early")
+    for e in proxy.engines.values():
+        e.default_reply = "word " * 200
+        e.delay_s = 0.02
+    app = create_app(proxy.service, admin_token=ADMIN)
+    body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "go"}], "stream": True,
+                       "max_tokens": 400}).encode()
+    messages = [{"type": "http.request", "body": body, "more_body": False}]
+    started = asyncio.Event()
+
+    async def receive() -> dict:
+        if messages:
+            return messages.pop(0)
+        await started.wait()  # the response is about to go out: the caller hangs up now
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            started.set()
+            await asyncio.Event().wait()  # the socket is gone: this send never completes
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/r/dc-early/v1/chat/completions", "raw_path": b"",
+             "root_path": "", "query_string": b"", "server": ("127.0.0.1", 1), "client": ("127.0.0.1", 2),
+             "headers": [(b"authorization", b"Bearer k-secret"), (b"content-type", b"application/json")]}
+    await asyncio.wait_for(app(scope, receive, send), 10)
+    for _ in range(100):
+        await asyncio.sleep(0.05)
+        recorded = [r for r in (await recorded_calls(proxy.bus, proxy.blobs, RUN)).values()
+                    if r.event.rollout_id == "dc-early"]
+        if recorded:
+            break
+    assert recorded and recorded[0].event.delivered is False
+    assert any(rid.endswith("-0") for e in proxy.engines.values() for rid in e.aborted)
+    assert all(c.in_flight == 0 for c in proxy.service.router.cells.values())
+
+
 async def test_session_headers_reach_the_recorded_calls_hints(proxy) -> None:
     """x-gyre-role and Claude Code's agent ids travel to CallRecorded.hints, where the
     trajectory service reads them (an explicit role wins over any inference)."""
