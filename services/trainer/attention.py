@@ -36,12 +36,13 @@ class AttentionConfig:
     block_size: int = 256
 
 
-def dense_mask(layout: TreeLayout) -> torch.Tensor:
-    """[s, s] bool, True = may attend."""
-    seg = layout.segment_ids
+def dense_mask(layout: TreeLayout, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[s, s] bool, True = may attend; built on ``device`` (on a GPU the s^2 gather is
+    instant, where building it on the host and copying it cost more than the attention)."""
+    seg = layout.segment_ids.to(device)
     s = seg.numel()
-    idx = torch.arange(s)
-    return layout.visible[seg[:, None], seg[None, :]] & (idx[None, :] <= idx[:, None])
+    idx = torch.arange(s, device=device)
+    return layout.visible.to(device)[seg[:, None], seg[None, :]] & (idx[None, :] <= idx[:, None])
 
 
 def flex_block_mask(layout: TreeLayout, block_size: int = 128, device: str | torch.device = "cpu"):
@@ -131,7 +132,7 @@ class TreeAttention:
         self.config = config
         self.device = torch.device(device)
         self.mode = self._pick(config.mode)
-        self._dense = dense_mask(layout).to(self.device) if self.mode == "dense" else None
+        self._dense = dense_mask(layout, self.device) if self.mode == "dense" else None
         self._flex = flex_block_mask(layout, 128, self.device) if self.mode == "flex" else None
         self._blocks = attention_blocks(layout, config.block_size) if self.mode == "blocks" else None
 
@@ -144,7 +145,7 @@ class TreeAttention:
 
     def dense(self) -> torch.Tensor:
         """The dense mask (for backends that only take one, e.g. megatron's local attention)."""
-        return self._dense if self._dense is not None else dense_mask(self.layout).to(self.device)
+        return self._dense if self._dense is not None else dense_mask(self.layout, self.device)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """q [b, h, s, d], k/v [b, h_kv, s, d] -> [b, h, s, d]."""
