@@ -84,6 +84,9 @@ class CellsSection(_Section):
     low_watermark: float = Field(default=1.0, gt=0)  # elastic: release a cell when the level fits under this x capacity
     high_watermark: float = Field(default=1.2, gt=0)  # elastic: reclaim training cells above this x capacity
     max_switches_in_flight: int = Field(default=2, ge=1)
+    # elastic: cells that always serve inference (at least 1: with none, a call arriving while
+    # every cell trains would find no cell). With 2 cells only the core (c0) ever trains.
+    min_inference_cells: int = Field(default=1, ge=1)
     training_cells: int = Field(default=1, ge=1)  # async: the fixed split's training cells
     # the core's trainer claims micro-steps only while the scheduler has cell c0 in training
     # (as in the seed: the core cell serves inference while demand is high); off: in every role

@@ -32,8 +32,9 @@ def policy_from_env() -> Any:
             k: float(os.environ[f"GYRE_SCHEDULER_{k.upper()}"])
             for k in ("hold_s", "min_dwell_s", "smoothing_s", "low_watermark", "high_watermark")
             if os.environ.get(f"GYRE_SCHEDULER_{k.upper()}")}
-        if os.environ.get("GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT"):
-            knobs["max_switches_in_flight"] = int(os.environ["GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT"])
+        for k in ("max_switches_in_flight", "min_inference_cells"):
+            if os.environ.get(f"GYRE_SCHEDULER_{k.upper()}"):
+                knobs[k] = int(os.environ[f"GYRE_SCHEDULER_{k.upper()}"])
         return ElasticPolicy(**knobs)
     if name == "colocate":
         return ColocatePolicy()

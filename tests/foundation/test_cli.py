@@ -130,7 +130,7 @@ def test_main_job_runs_steps_and_the_report_rebuilds_from_the_log(tmp_path) -> N
     runs = tmp_path / "runs"
     summary = tmp_path / "summary.json"
     # phase 0 (a 2-step warm start on the train-split scale tasks), held-out eval before and after
-    # two cells: c1 trains as a satellite whenever the scheduler switches it to training
+    # two cells: c0 (the core) switches between inference and training; c1 always serves
     res = gyre("up", "run.steps=1", "tasks.per_step=1", "group_size=2", "cells.count=2", "run.id=e2e",
                f"run.dir={runs}", "tasks.include=[starter_scale*]", "warmstart.enabled=true", "warmstart.steps=2",
                "warmstart.flaw_rate=0.5", "eval.heldout=true", "trainer.micro_step_tokens=8192",

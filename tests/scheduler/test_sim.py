@@ -8,6 +8,7 @@ import pytest
 
 from services.scheduler.core import (
     CellPhase,
+    ElasticPolicy,
     Role,
     SchedulerState,
     SwitchAborted,
@@ -204,16 +205,21 @@ def test_the_run_configs_thresholds_reach_the_live_scheduler(monkeypatch):
     from services.scheduler.main import policy_from_env
 
     cfg = load_run_config(None, ["cells.count=1", "cells.hold_s=4", "cells.low_watermark=0.9",
-                                 "cells.high_watermark=1.6", "cells.max_switches_in_flight=3"])
+                                 "cells.high_watermark=1.6", "cells.max_switches_in_flight=3",
+                                 "cells.min_inference_cells=2"])
     (launch,) = [x for x in plan_stack(cfg, "tok") if x.service == "scheduler"]
     for key, value in launch.env.items():
         if key.startswith("GYRE_SCHEDULER_"):
             monkeypatch.setenv(key, value)
     policy = policy_from_env()
-    assert (policy.hold_s, policy.low_watermark, policy.high_watermark, policy.max_switches_in_flight) == \
-        (4.0, 0.9, 1.6, 3)
+    assert (policy.hold_s, policy.low_watermark, policy.high_watermark, policy.max_switches_in_flight,
+            policy.min_inference_cells) == (4.0, 0.9, 1.6, 3, 2)
     monkeypatch.setenv("GYRE_SCHEDULER_POLICY", "async")
     monkeypatch.setenv("GYRE_SCHEDULER_TRAINING_CELLS", "2")
     assert policy_from_env().training_cells == 2
     with pytest.raises(RunConfigError, match="low_watermark must be below high_watermark"):
         load_run_config(None, ["cells.low_watermark=1.5"])
+    with pytest.raises(RunConfigError, match="min_inference_cells"):  # a call must always find a cell
+        load_run_config(None, ["cells.min_inference_cells=0"])
+    with pytest.raises(ValueError, match="min_inference_cells"):
+        ElasticPolicy(min_inference_cells=0)

@@ -48,6 +48,8 @@ class ElasticPolicy:
             raise ValueError("elastic policy needs 0 < low_watermark < high_watermark")
         if self.hold_s < 0 or self.min_dwell_s < 0 or self.max_switches_in_flight < 1:
             raise ValueError("elastic policy: hold_s, min_dwell_s >= 0 and max_switches_in_flight >= 1")
+        if self.min_inference_cells < 1:
+            raise ValueError("elastic policy: min_inference_cells >= 1 (a call must always find a serving cell)")
 
     def initial_role(self, index: int, is_core: bool) -> Role:
         return Role.INFERENCE
