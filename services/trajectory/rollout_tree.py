@@ -133,7 +133,7 @@ class RolloutTree:
             for c in self._waiting_ids.values()
         )
         labels = classify_calls(self.tree, self.config.rules)
-        branches = list_branches(self.tree, labels)
+        branches = list_branches(self.tree, labels, delivered_only=not self.config.sampling.include_undelivered)
         selected = select_branches(branches, self.config.sampling, self.tree)
         packed = pack_branches(self.tree, selected, self.config.packing)
         return SealedTree(self.rollout_id, self.tree.digest(), labels, branches, selected,

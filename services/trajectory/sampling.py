@@ -59,9 +59,24 @@ class SamplingConfig:
     include_undelivered: bool = False
 
 
-def list_branches(tree: TrajectoryTree, labels: list[CallLabel]) -> list[Branch]:
-    """Branch ends in arrival order of their calls (one per distinct end position)."""
+def list_branches(tree: TrajectoryTree, labels: list[CallLabel], *, delivered_only: bool = False) -> list[Branch]:
+    """Branch ends in arrival order of their calls (one per distinct end position).
+
+    A call another call extends is no end. With ``delivered_only`` (the sampling does not
+    train undelivered calls), a delivered call that only undelivered calls extend (the call
+    cut off at the time limit, recorded undelivered, or a failed one) is an end again
+    unless a delivered call holds its whole sequence (the retry after a failed call), so a
+    timed-out rollout's last delivered work is still trained on."""
     extended = {lab.previous for lab in labels if lab.relation == "extend"}
+    if delivered_only:
+        by_delivered = {lab.previous for c, lab in enumerate(labels)
+                        if lab.relation == "extend" and tree.calls[c].delivered}
+        delivered = [c for c, call in enumerate(tree.calls) if call.delivered]
+        for p in sorted(x for x in extended - by_delivered if x is not None and tree.calls[x].delivered):
+            length = tree.call_length(p)
+            held = any(d != p and n >= length for d, n in zip(delivered, tree.common_prefix_lens(p, delivered)))
+            if not held:
+                extended.discard(p)
     out, seen = [], set()
     for c, call in enumerate(tree.calls):
         end = tree.call_end(c)

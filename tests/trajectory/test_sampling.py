@@ -144,3 +144,35 @@ def test_common_prefix_lens_agree_with_the_sequences():
                 n += 1
             expected.append(n)
         assert tree.common_prefix_lens(a, list(range(len(seqs)))) == expected
+
+
+def test_a_call_cut_off_at_the_time_limit_leaves_the_last_delivered_call_trained():
+    """At the time limit the harness is killed while its next call streams; the proxy
+    records that call undelivered. It extends the last delivered call, which must still
+    end a branch (and be trained on) when undelivered calls are not; a failed call that a
+    delivered retry then covers leaves no extra branch behind."""
+    from services.trajectory.rollout_tree import RolloutTree, TreeConfig
+
+    def sealed(cut: bool, retry: bool = False):
+        rec = Recorder("r1")
+        main = Agent(rec, SYSTEM + TASK)
+        main.say([20, 2], [3, 90])
+        if retry:
+            main.say([21, 25], delivered=False)  # a broken stream, retried at once
+        main.say([21, 2], [3, 91])
+        main.say([22, 2], [3, 92])
+        if cut:
+            main.say([23, 24], delivered=False)
+        tree = RolloutTree("r1", TreeConfig(RULES))
+        for c in rec.calls:
+            tree.add(c)
+        return tree.seal()
+
+    clean, cut = sealed(False), sealed(True)
+    assert [b.call_id for b in clean.selected] == [clean.branches[-1].call_id]
+    assert [b.call_id for b in cut.selected] == [b.call_id for b in clean.selected]  # the same last delivered call
+    assert sum(p.n_trained_tokens for p in cut.packed) == sum(p.n_trained_tokens for p in clean.packed) > 0
+    assert [b.delivered for b in cut.branches] == [True, False]
+    both = sealed(True, retry=True)
+    assert [b.delivered for b in both.branches].count(True) == 1  # the failed call's parent is covered by the retry
+    assert sum(p.n_trained_tokens for p in both.packed) == sum(p.n_trained_tokens for p in clean.packed)
