@@ -111,6 +111,7 @@ class TrajectoryLedger:
         self.config = config
         self.rollouts: dict[str, RolloutState] = {}
         self.groups: dict[str, list[str]] = {}
+        self.group_sizes: dict[str, int] = {}  # group -> its size as its RolloutStarted events state it
         self.queued_groups: set[str] = set()
 
     def _rollout(self, rollout_id: str) -> RolloutState:
@@ -135,6 +136,8 @@ class TrajectoryLedger:
         members = self.groups.setdefault(ev.group_id, [])
         if ev.rollout_id not in members:
             members.append(ev.rollout_id)
+        if ev.group_size is not None:  # the runner says how many rollouts the group will have
+            self.group_sizes[ev.group_id] = max(ev.group_size, self.group_sizes.get(ev.group_id, 0))
         if state.phase is RolloutPhase.SEALED:  # its start was read after its score
             return self.queue_group_if_complete(ev.group_id, ev)
         return Effects()
@@ -239,7 +242,10 @@ class TrajectoryLedger:
 
     def queue_group_if_complete(self, group_id: str, cause: Event) -> Effects:
         members = self.groups.get(group_id, [])
-        expected = self.config.group_size or len(members)
+        # The group's size: what its RolloutStarted events state (a runner starts a group's
+        # rollouts as its slots free up, so the first one may be scored before the last has
+        # started), else the run's setting, else the rollouts started so far.
+        expected = self.group_sizes.get(group_id) or self.config.group_size or len(members)
         states = [self.rollouts[r] for r in members]
         if group_id in self.queued_groups or len(states) < expected:
             return Effects()

@@ -141,6 +141,8 @@ def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
         out["budget"] = int(loss["sample_budget"])
     if trainer.get("micro_step_tokens") is not None:
         out["micro_step_tokens"] = int(trainer["micro_step_tokens"])
+    if config.get("group_size") is not None:
+        out["group_size"] = int(config["group_size"])  # a group is queued once all of it is scored
     return out
 
 

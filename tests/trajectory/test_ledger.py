@@ -170,3 +170,30 @@ def test_service_options_become_the_ledger_config():
     rules = config.tree_config("claude_code").rules
     assert rules.summary_markers and rules.continuation_markers
     assert config.tree_config("unknown-harness").rules.name == "openai_tools"
+
+
+def test_a_group_waits_for_the_size_its_starts_state():
+    """The runner starts a group's rollouts as its slots free up, so the first can be
+    scored before the second has started. With no group size configured, the size stated
+    by ``RolloutStarted.group_size`` holds the group until all of it is sealed (before,
+    the first rollout alone was queued with advantage 0 and the second's samples lost);
+    ``gyre up`` passes the run's group_size to the service too."""
+    from services.trajectory.main import run_config_options
+
+    ledger = TrajectoryLedger(LedgerConfig(RUN))
+
+    def start(r: str) -> None:
+        ledger.rollout_started(RolloutStarted(run_id=RUN, rollout_id=r, task_id="t", group_id="g", harness="claude_code",
+                                              weight_version=0, api_key_digest="a" * 64, step=7, group_size=2))
+        for c in _calls(r, 2):
+            assert not ledger.call_recorded(c).rejected
+
+    start("r0")
+    assert not [e for e in _score(ledger, "r0", 1.0).events if isinstance(e, (MicroStepQueued, GroupQueued))]
+    start("r1")
+    events = _score(ledger, "r1", 0.0).events
+    (group,) = [e for e in events if isinstance(e, GroupQueued)]
+    assert sorted(group.rollout_ids) == ["r0", "r1"]
+    advantages = [a for e in events if isinstance(e, MicroStepQueued) for a in e.advantages]
+    assert min(advantages) < 0 < max(advantages)
+    assert run_config_options({"group_size": 4, "loss": {}, "trainer": {}})["group_size"] == 4
