@@ -166,10 +166,11 @@ def _tree_facts(ev: Any) -> tuple:
 
 async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
     """Rebuild a run's trees, samples and micro-steps from its rollouts, calls and scores
-    alone (a fresh trajectory service on an in-memory copy of those streams) and compare
-    them with what the live run recorded."""
+    (a fresh trajectory service on an in-memory copy of those streams, told only which
+    calls each logged TreeSealed held) and compare them with what the live run recorded."""
     from libs.common.blobs import ObjectStoreBlobStore
     from libs.common.bus.memory import InMemoryBus
+    from libs.common.events import TreeSealed
     from services.trajectory.main import ledger_config
     from services.trajectory.service import TrajectoryService
 
@@ -181,9 +182,14 @@ async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
             async for msg in bus.read_raw(ctx.stream, filter_subject=f"gyre.{run_id}.{ctx.value}.>"):
                 meta = msg.metadata
                 copy.load(ctx.stream, meta.sequence.stream, msg.subject, msg.data, meta.timestamp)
-        recorded = [_tree_facts(d.event) async for d in bus.read(Context.TREES, filter_subject=f"gyre.{run_id}.trees.>")]
+        live_trees = [d.event async for d in bus.read(Context.TREES, filter_subject=f"gyre.{run_id}.trees.>")]
+        recorded = [_tree_facts(ev) for ev in live_trees]
         config = ledger_config(run_id, await run_options(bus, run_id))  # as the live service was configured
         service = TrajectoryService(config, bus=copy, blobs=_ReadThrough(live_blobs))
+        # where the live service sealed each rollout is a logged decision (its TreeSealed): a
+        # call recorded after it was rejected then, and is left out here too
+        await service.load_seal_boundaries({ev.rollout_id: ev.tree_digest for ev in live_trees
+                                            if isinstance(ev, TreeSealed)}, live_blobs)
         await service.rebuild()
         replayed = [_tree_facts(d.event) async for d in copy.read(Context.TREES)]
     finally:

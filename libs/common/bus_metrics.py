@@ -11,7 +11,7 @@ labels; the service host (``libs/common/service.py``) runs this for every servic
 - ``gyre_consumer_delivered_seq`` / ``gyre_consumer_ack_floor_seq``: stream positions;
 - ``gyre_stream_last_seq``: the stream's head, for the consumers' streams.
 
-The trainer's micro-step queue is the ``trainer-work`` consumer of ``GYRE_TREES``: its
+The trainer's micro-step queue is the ``trainer-work-<run>`` consumer of ``GYRE_TREES``: its
 depth is ``pending + ack_pending``.
 """
 

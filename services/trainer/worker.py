@@ -113,7 +113,8 @@ class WorkerSettings:
 
 
 def work_queue_config(settings: WorkerSettings) -> ConsumerConfig:
-    return ConsumerConfig(name=settings.queue_name, context=Context.TREES,
+    # named per run: a durable of another run on the same server follows that run's subjects
+    return ConsumerConfig(name=f"{settings.queue_name}-{settings.run_id}", context=Context.TREES,
                           filter_subject=f"gyre.{settings.run_id}.trees.{MicroStepQueued.TYPE}.>",
                           batch=1, max_deliver=MAX_DELIVER, ack_wait_s=settings.ack_wait_s,
                           retry_delay_s=settings.retry_delay_s, heartbeat_s=min(30.0, settings.ack_wait_s / 3))

@@ -17,13 +17,14 @@ end (they were all recorded before the rollout ended, hence before it was scored
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from dataclasses import dataclass
 
 from libs.common.blobs import BlobCorrupt, BlobNotFound
 from libs.common.bus.port import BlobStore, ConsumerConfig, Delivery, EventBus, RawMessage, StopSignal
 from libs.common.events import (CallRecorded, Context, Event, RolloutFinished, RolloutScored,
-                                RolloutScoringFailed, RolloutStarted, RolloutTimedOut, subject_token)
+                                RolloutScoringFailed, RolloutStarted, RolloutTimedOut, TreeSealed, subject_token)
 
 from .codec import CodecError, decode_ids, decode_logprobs
 from .ledger import Effects, LedgerConfig, TrajectoryLedger, call_from_event
@@ -52,10 +53,14 @@ class TrajectoryService:
         self._lock = asyncio.Lock()
         self._published: set[str] = set()
         self._call_msgs: dict[str, RawMessage] = {}
+        # rollout -> the calls its logged TreeSealed holds (from the tree's summary blob): a
+        # rebuild seals it with those, not with a call recorded after the live seal
+        self.seal_boundaries: dict[str, frozenset[str]] = {}
 
     def consumer_configs(self) -> list[ConsumerConfig]:
         run = self.config.run_id
-        return [ConsumerConfig(name=f"{self.consumer}-{ctx.value}", context=ctx,
+        # named per run: a durable of another run on the same server follows that run's subjects
+        return [ConsumerConfig(name=f"{self.consumer}-{run}-{ctx.value}", context=ctx,
                                filter_subject=f"gyre.{run}.{ctx.value}.>") for ctx in _CONSUMED]
 
     async def run(self, stop: StopSignal) -> None:
@@ -67,14 +72,32 @@ class TrajectoryService:
     async def rebuild(self) -> None:
         """Replay the log into the ledger; publish what the trees stream lacks."""
         run = self.config.run_id
+        sealed: dict[str, str] = {}
         async for d in self.bus.read(Context.TREES, filter_subject=f"gyre.{run}.trees.>"):
             self._published.add(d.event.event_id)
+            if isinstance(d.event, TreeSealed):
+                sealed[d.event.rollout_id] = d.event.tree_digest
+        await self.load_seal_boundaries(sealed, self.blobs)
         # Scores before calls: a judged rollout reads its own calls and is sealed (its tree
         # freed) at once, so the rebuild holds only the trees of rollouts still open; the
         # calls pass then builds those, and meets the rest as redeliveries.
         for ctx in (Context.ROLLOUTS, Context.SCORES, Context.CALLS):
             async for d in self.bus.read(ctx, filter_subject=f"gyre.{run}.{ctx.value}.>"):
                 await self.handle(d)
+
+    async def load_seal_boundaries(self, sealed: dict[str, str], blobs: BlobStore) -> None:
+        """For each rollout the log shows sealed (rollout -> its TreeSealed summary digest),
+        the calls its tree held. The live service rejects a call recorded after the seal
+        (e.g. the proxy's record of a call cut off at the time limit, landing after the
+        score); a rebuild reads every call of the rollout before sealing it, so without the
+        boundary it would seal a different tree than the one the log announced."""
+        for rollout_id, digest in sealed.items():
+            try:
+                summary = json.loads(await blobs.get(digest))
+                self.seal_boundaries[rollout_id] = frozenset(c["call_id"] for c in summary["calls"])
+            except (BlobNotFound, BlobCorrupt, ValueError, KeyError, TypeError) as exc:
+                log.warning("rollout %s: its sealed tree's summary %s cannot be read (%r); it is rebuilt "
+                            "from all of its calls in the log", rollout_id, digest, exc)
 
     async def handle(self, delivery: Delivery) -> None:
         async with self._lock:
@@ -127,9 +150,12 @@ class TrajectoryService:
         run = self.config.run_id
         effects = Effects()
         subject = f"gyre.{run}.calls.{CallRecorded.TYPE}.{subject_token(rollout_id)}"
+        boundary = self.seal_boundaries.get(rollout_id)
         async for d in self.bus.read(Context.CALLS, filter_subject=subject):
             ev = d.event
             if isinstance(ev, CallRecorded) and ev.rollout_id == rollout_id:
+                if boundary is not None and ev.call_id not in boundary:
+                    continue  # recorded after the live seal: it meets the sealed tree later, as then
                 self._call_msgs.setdefault(ev.call_id, RawMessage(d.stream, d.seq, d.subject, ev.to_json()))
                 effects.extend(await self._call(ev))
         return effects

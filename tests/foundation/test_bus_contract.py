@@ -222,3 +222,23 @@ async def test_a_heartbeat_keeps_a_slow_handlers_claim(nats_server, heartbeat_s)
         assert seen == ([1] if heartbeat_s else [1, 2])
     finally:
         await bus.close()
+
+
+async def test_a_durable_that_follows_another_runs_subjects_is_refused(nats_server) -> None:
+    """A durable consumer made by a service of another run (same name, that run's filter)
+    is not silently bound to: the service would never see its own run's events."""
+    import uuid
+
+    from libs.common.bus.jetstream import BusError, JetStreamBus
+
+    bus = await JetStreamBus.connect(nats_server.url)
+    try:
+        name = f"svc-{uuid.uuid4().hex[:8]}"
+        await bus.publish(started(0, run="runa"))
+        first = ConsumerConfig(name=name, context=Context.ROLLOUTS, filter_subject="gyre.runa.rollouts.>")
+        assert len(await consume(bus, first, 1)) == 1
+        second = ConsumerConfig(name=name, context=Context.ROLLOUTS, filter_subject="gyre.runb.rollouts.>")
+        with pytest.raises(BusError, match=r"follows 'gyre\.runa\.rollouts\.>', not 'gyre\.runb\.rollouts\.>'"):
+            await asyncio.wait_for(bus.run_consumer(second, lambda d: asyncio.sleep(0), stop=asyncio.Event()), 10)
+    finally:
+        await bus.close()

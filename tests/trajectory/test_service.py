@@ -261,3 +261,31 @@ async def test_a_rebuild_holds_one_open_tree_at_a_time_for_judged_rollouts():
     await service.rebuild()
     assert await _has(bus, MicroStepQueued)
     assert peak[0] == 1
+
+
+async def test_a_call_recorded_after_the_live_seal_stays_out_of_the_rebuilt_tree():
+    """A rollout is sealed live; then the record of its call cut off at the time limit
+    lands (the live service rejects it). A restarted service reads every call of the
+    rollout before sealing it, so it must take the call list of the logged TreeSealed as
+    the seal's boundary: the group's micro-step then holds the sample the log announced."""
+    bus, blobs = InMemoryBus(), MemoryBlobStore()
+    config = LedgerConfig(RUN, group_size=2, train_undelivered=True)  # the late call would be trained
+    await bus.publish(_started("r1"))
+    await bus.publish(_started("r2"))
+    rec = Recorder("r1")
+    main = Agent(rec, SYSTEM + TASK)
+    main.say([20, 2], [3, 90])
+    main.say([21, 2], [3, 91])
+    await _publish_calls(bus, blobs, rec.calls)
+    await bus.publish(RolloutTimedOut(run_id=RUN, rollout_id="r1", wall_time_s=99))
+    await bus.publish(RolloutScored(run_id=RUN, rollout_id="r1", score=0.3, partial=True))
+    await _run_until(bus, blobs, lambda: _has(bus, SamplesSelected), config=config)
+    announced = [r.digest for e in await _trees(bus) if isinstance(e, SamplesSelected) for r in e.samples]
+    await bus.publish(await _recorded(blobs, main.say([22, 23], delivered=False)))  # lands after the seal
+    await _publish_calls(bus, blobs, _rollout_calls("r2", 1))
+    await bus.publish(RolloutFinished(run_id=RUN, rollout_id="r2", wall_time_s=5))
+    await bus.publish(RolloutScored(run_id=RUN, rollout_id="r2", score=1.0))
+    service = await _run_until(bus, blobs, lambda: _has(bus, MicroStepQueued), config=config)  # restarted
+    assert set(service.seal_boundaries) == {"r1"}
+    queued = [d for e in await _trees(bus) if isinstance(e, MicroStepQueued) for d in e.sample_digests]
+    assert set(announced) <= set(queued)

@@ -213,10 +213,20 @@ class JetStreamBus:
                 await sub.unsubscribe()
 
     async def _ensure_consumer(self, config: ConsumerConfig) -> str:
+        wanted = self._consumer_config(config)
         try:
-            await self.js.consumer_info(config.context.stream, config.name)
+            info = await self.js.consumer_info(config.context.stream, config.name)
         except NotFoundError:
-            await self.js.add_consumer(config.context.stream, self._consumer_config(config))
+            await self.js.add_consumer(config.context.stream, wanted)
+            return config.name
+        have = info.config.filter_subject or None
+        if have != wanted.filter_subject and not info.config.filter_subjects:
+            # e.g. a service of another run (another GYRE_RUN_ID) on this server made it:
+            # bound to it, this one would never see its own events
+            raise BusError(f"durable consumer {config.name!r} of stream {config.context.stream} follows "
+                           f"{have!r}, not {wanted.filter_subject!r}; consumers are named per run, so this one "
+                           f"was made by another service or an older Gyre: delete it (nats consumer rm "
+                           f"{config.context.stream} {config.name}) or name this consumer differently")
         return config.name
 
     async def _handle_batch(self, config: ConsumerConfig, handler: Handler, msgs: list[Any]) -> None:
