@@ -69,13 +69,23 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], vocab_limit: int) -> t
     return tokens, logprobs, tops
 
 
+def _argmax(rows: torch.Tensor) -> list[int]:
+    """The first index of each row's maximum (a NaN counts as the maximum), as torch's
+    argmax. On CPU through numpy, whose vectorised argmax took 0.03 ms for one 152k-entry
+    row where torch's took 0.27-0.36 ms (0.18 ms against 3.1 ms for 8 rows), on the
+    engine thread's one intra-op thread."""
+    if rows.device.type == "cpu" and rows.dtype == torch.float32:
+        return rows.detach().numpy().argmax(axis=-1).tolist()
+    return rows.argmax(dim=-1).tolist()
+
+
 def _pick(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
     tokens: list[int] = [0] * len(specs)
     greedy_rows = [i for i, s in enumerate(specs) if s.params.greedy]
     if len(greedy_rows) == len(specs):
-        return logits.argmax(dim=-1).tolist()
+        return _argmax(logits)
     if greedy_rows:
-        picked = logits[greedy_rows].argmax(dim=-1).tolist()
+        picked = _argmax(logits[greedy_rows])
         for row, tok in zip(greedy_rows, picked):
             tokens[row] = tok
     for row, spec in enumerate(specs):

@@ -79,3 +79,18 @@ def test_banned_ids_are_never_picked_and_keep_the_models_logprobs():
         for seed in range(10):
             token, logprob = _one(params, want_logprob=True, seed=seed, banned=(0, 10**30))
             assert token != 0 and abs(logprob - want[token].item()) < 1e-6
+
+
+def test_greedy_argmax_is_torchs_first_maximum_nan_included():
+    # the numpy path the engine uses on CPU picks what torch.argmax picks: the first
+    # maximum, a NaN counting as the maximum, on strided rows and inference tensors too
+    from services.engine.sampler import _argmax
+
+    rows = torch.tensor([[1.0, 3.0, 3.0, 2.0], [0.0, float("nan"), 5.0, float("nan")], [-1.0, -1.0, -1.0, -1.0]])
+    assert _argmax(rows) == rows.argmax(dim=-1).tolist() == [1, 1, 0]
+    wide = torch.randn(4, 151936, generator=torch.Generator().manual_seed(0))
+    assert _argmax(wide.T.contiguous().T) == wide.argmax(dim=-1).tolist()  # column-major storage
+    with torch.inference_mode():
+        made = wide * 1.0
+    assert _argmax(made) == wide.argmax(dim=-1).tolist()
+    assert _argmax(wide.double()) == wide.argmax(dim=-1).tolist()  # other dtypes: torch's own
