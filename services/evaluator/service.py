@@ -11,12 +11,15 @@ in-memory one) hands every event to each.
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import math
 import os
+import re
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from libs.common.bus.port import BlobStore, ConsumerConfig, Delivery, EventBus, StopSignal
@@ -27,6 +30,7 @@ from libs.common.events import (
     RolloutScoringFailed,
     RolloutStarted,
     RolloutTimedOut,
+    TestOutcome,
     subject_token,
 )
 
@@ -43,6 +47,7 @@ from .core.scoring import (
     TestsVerdict,
     combine,
     failed_event,
+    fits_inline,
     score_tests,
     scored_event,
     with_plugin_scores,
@@ -105,10 +110,13 @@ class Evaluator:
             workdir = self.settings.work_root / f"{subject_token(ended.rollout_id)[:64]}-{uuid.uuid4().hex[:8]}"
             workdir.mkdir(mode=0o755)
             try:
-                await asyncio.to_thread(unpack_snapshot, data, workdir, self._unpack_limits())
+                unpacked = await asyncio.to_thread(unpack_snapshot, data, workdir, self._unpack_limits())
             except UnsafeSnapshot as exc:
                 raise _Unscorable(f"unusable snapshot: {exc}") from exc
-            return await self._score(ended, spec, workdir, may_retry=may_retry)
+            note = _skipped_note(unpacked.skipped_links)
+            if note:
+                log.info("evaluator: rollout %s: %s", ended.rollout_id, note)
+            return await self._score(ended, spec, workdir, may_retry=may_retry, note=note)
         except TransientError:
             raise
         except _Unscorable as exc:
@@ -167,7 +175,8 @@ class Evaluator:
         return UnpackLimits(s.max_snapshot_bytes, s.max_unpacked_bytes, s.max_members)
 
     async def _score(self, ended: RolloutEnded, spec: TaskEvaluatorSpec, workdir: Path, *,
-                     may_retry: bool = False) -> ScoreEvent:
+                     may_retry: bool = False, note: str = "") -> ScoreEvent:
+        """``note``: something about the snapshot worth saying in the outcome's reason."""
         policy = spec.combine
         view = await asyncio.to_thread(workspace.describe, workdir) if policy.uses_judge else ""
         verdict: TestsVerdict | None = None
@@ -179,11 +188,33 @@ class Evaluator:
             judge_score, judge_error = await self._ask_judge(spec, view, verdict, may_retry=may_retry)
         result = combine(policy, verdict, judge_score, judge_error)
         if isinstance(result, str):
-            return failed_event(ended, result)
+            return failed_event(ended, f"{result}; {note}" if note else result)
+        if note:
+            result = replace(result, reason=f"{result.reason}; {note}" if result.reason else note)
         if self.scorers:
             result = with_plugin_scores(result, await self._plugin_scores(ended, spec, workdir))
         log.info("evaluator: rollout %s: %s [%s]", ended.rollout_id, result.reason, isolation)
-        return scored_event(ended, result, verdict.outcomes if verdict else (), isolation)
+        outcomes = verdict.outcomes if verdict else ()
+        digest = None if fits_inline(outcomes) else await self._store_tests(ended, outcomes, may_retry=may_retry)
+        return scored_event(ended, result, outcomes, isolation, tests_digest=digest)
+
+    async def _store_tests(self, ended: RolloutEnded, outcomes: tuple[TestOutcome, ...], *,
+                           may_retry: bool) -> str | None:
+        """Too many outcomes for one event: the whole list goes to the blob store (a JSON
+        array of TestOutcome objects), the event carries its digest and the failing ones.
+        A store that fails on the last delivery leaves the list cut, and the event says so."""
+        data = json.dumps([o.model_dump(mode="json") for o in outcomes]).encode()
+        try:
+            digest = await self.store.put(data)
+        except Exception as exc:
+            if may_retry:
+                raise TransientError(f"storing the per-test list: {exc!r}") from exc
+            log.warning("evaluator: rollout %s: the per-test list (%d outcomes) could not be stored, the score "
+                        "event carries only part of it: %r", ended.rollout_id, len(outcomes), exc)
+            return None
+        log.info("evaluator: rollout %s: %d test outcomes, too many for the event; full list in blob %s",
+                 ended.rollout_id, len(outcomes), digest[:12])
+        return digest
 
     async def _run_tests(self, spec: TaskEvaluatorSpec, workdir: Path) -> tuple[TestsVerdict, str]:
         control = await asyncio.to_thread(workspace.prepare, workdir, spec)
@@ -281,11 +312,14 @@ class Evaluator:
     def consumer_config(self) -> ConsumerConfig:
         run = self.settings.run_id or "*"
         return ConsumerConfig(
-            name=self.settings.consumer_name,
+            # named per run: the bus reuses a durable of that name as it is, so a shared
+            # name would bind a new run's evaluator to an earlier run's filter
+            name=durable_name(self.settings.consumer_name, self.settings.run_id),
             context=Context.ROLLOUTS,
             filter_subject=f"gyre.{run}.rollouts.>",
             batch=1,  # one rollout per fetch, so the workers share the queue
-            max_deliver=3,
+            max_deliver=self.settings.max_deliver,
+            retry_delay_s=self.settings.retry_delay_s,
             ack_wait_s=self.settings.ack_wait_s,
             # a scoring keeps its rollout however long its tests and judge take; a dead
             # evaluator's rollout goes to another ack_wait_s after its last heartbeat
@@ -299,6 +333,30 @@ class Evaluator:
         await asyncio.gather(
             *(self.bus.run_consumer(config, self.handle, stop=stop) for _ in range(self.settings.workers))
         )
+
+
+def durable_name(base: str, run_id: str | None) -> str:
+    """The evaluator's durable consumer name for a run: ``<base>-<run id>``, or
+    ``<base>-all-runs`` for an evaluator of every run. NATS refuses dots, spaces, ``*``,
+    ``>`` and slashes in a name, so anything outside ``[A-Za-z0-9_-]`` becomes ``_``; a run
+    id so changed (or longer than 64 characters) also gets a digest of itself, so two runs
+    never share a name."""
+    if run_id is None:
+        return f"{base}-all-runs"
+    clean = re.sub(r"[^A-Za-z0-9_\-]", "_", run_id)
+    if clean != run_id or len(clean) > 64:
+        clean = f"{clean[:64]}-{hashlib.sha256(run_id.encode()).hexdigest()[:10]}"
+    return f"{base}-{clean}"
+
+
+def _skipped_note(skipped: tuple[str, ...], shown: int = 5) -> str:
+    """The outcome's word on symbolic links the snapshot held that lead outside the
+    workspace (e.g. a virtualenv's ``bin/python``): left out, not followed."""
+    if not skipped:
+        return ""
+    more = f" and {len(skipped) - shown} more" if len(skipped) > shown else ""
+    return (f"{len(skipped)} symlink(s) leading outside the workspace skipped: "
+            f"{', '.join(skipped[:shown])}{more}")
 
 
 def _bound(memo: OrderedDict, limit: int = 100_000) -> None:

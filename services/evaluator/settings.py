@@ -39,7 +39,15 @@ class EvaluatorSettings(BaseSettings):
     uid_base: int = Field(default=61000, ge=1000, description="sandbox n runs as uid_base + n")
     python: str = Field(default=sys.executable, description="interpreter (with pytest) that runs hidden tests")
     run_id: str | None = Field(default=None, description="score this run only; None = every run")
-    consumer_name: str = "evaluator"
+    consumer_name: str = Field(default="evaluator", pattern=r"^[A-Za-z0-9_\-]{1,64}$", description=(
+        "base of the durable consumer's name; the run id is added to it (see Evaluator.consumer_config)"))
+    # A failure that is not the rollout's (judge unreachable, blob store or bus down) is
+    # retried: redelivered after retry_delay_s, up to max_deliver deliveries in all, so an
+    # outage of (max_deliver - 1) * retry_delay_s (4.5 min by default) costs no scores. On
+    # the last delivery the judge's absence goes to the task's on_judge_error policy and a
+    # store that still fails becomes a RolloutScoringFailed.
+    retry_delay_s: float = Field(default=30.0, gt=0, description="wait before a transient failure is retried")
+    max_deliver: int = Field(default=10, ge=1, le=1000, description="deliveries of a rollout before giving up")
     ack_wait_s: float = Field(default=300.0, gt=0, description="how long after an evaluator's last heartbeat "
                               "(every min(30 s, ack_wait_s / 3) while it scores) its rollout goes to another")
     max_snapshot_bytes: int = Field(default=512 * 2**20, ge=1024)

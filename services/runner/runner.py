@@ -121,12 +121,13 @@ class RolloutRunner:
                                            task.prompt)
             try:
                 state = await self._lifecycle(core.planned(plan), dirs, harness, api_key, task)
+                return _outcome(state, workspace.log_tail(dirs))
             finally:
                 self.running.pop(rollout_id, None)
-            outcome = _outcome(state, workspace.log_tail(dirs))
-            if not self.config.keep_workspaces:
-                await asyncio.to_thread(workspace.remove, dirs)
-        return outcome
+                # also after RolloutLost or a cancel: nothing reads a workspace once its
+                # snapshot is taken (or given up on)
+                if not self.config.keep_workspaces:
+                    await asyncio.to_thread(workspace.remove, dirs)
 
     async def _apply(self, state: core.RolloutState, command: core.Command,
                      proc: HarnessProcess | None = None) -> core.RolloutState:
@@ -199,6 +200,9 @@ class RolloutRunner:
             return self._no_snapshot(dirs, f"{exc} (the runner's snapshot_max_bytes)")
         except OSError as exc:
             return self._no_snapshot(dirs, f"could not take it: {exc}")
+        except Exception as exc:  # e.g. MemoryError: the rollout must still end
+            log.exception("rollout %s: taking the workspace snapshot failed", dirs.root.name)
+            return self._no_snapshot(dirs, f"could not take it: {exc!r}")
         try:
             return await self._retry(f"storing the snapshot of rollout {dirs.root.name}", lambda: self.blobs.put(data))
         except Exception as exc:

@@ -67,7 +67,8 @@ def make_harness(work_root: Path):
 
     async def make(judge_url: str | None = None, **overrides) -> Harness:
         bus, store, catalog = InMemoryBus(), MemoryBlobStore(), InMemoryTaskCatalog()
-        fields = {"work_root": work_root, "workers": 2, **overrides}
+        # a redelivery after a transient failure comes quickly here (30 s in service)
+        fields = {"work_root": work_root, "workers": 2, "retry_delay_s": 0.05, **overrides}
         if judge_url:
             fields["judge"] = JudgeSettings(base_url=judge_url, model="judge", timeout_s=2, attempts=3, backoff_s=0.05)
         evaluator = build_evaluator(EvaluatorSettings(**fields), bus=bus, store=store, catalog=catalog)

@@ -123,3 +123,26 @@ async def test_a_per_test_limit_fails_the_hung_test_and_goes_on(make_harness):
     assert isinstance(ev, RolloutScored), ev
     assert outcomes(ev) == {"test_p.py::test_a_hangs": "failed", "test_p.py::test_b_after": "passed"}
     assert ev.score == 0.5
+
+
+async def test_a_test_file_that_cannot_import_does_not_zero_the_others(make_harness):
+    """One hidden file imports a module the agent never wrote: the other file still runs
+    (pytest --continue-on-collection-errors), so the score is 0.5, not 0."""
+    h = await make_harness()
+    good = dedent_bytes("""
+        from calc import add
+        def test_add():
+            assert add(2, 3) == 5
+    """)
+    bad = dedent_bytes("""
+        from io_util import load
+        def test_load():
+            assert load() == 1
+    """)
+    spec = calc_spec("two-files", hidden_files={"test_a.py": good, "test_b.py": bad},
+                     weights={"test_a.py::test_add": 1, "test_b.py::test_load": 1})
+    ev = await h.score(spec, tar_of({"calc.py": CALC_OK}))
+    assert isinstance(ev, RolloutScored), ev
+    assert ev.score == 0.5
+    assert outcomes(ev)["test_a.py::test_add"] == "passed"
+    assert "collection error: test_b.py" in ev.reason

@@ -90,8 +90,8 @@ async def test_a_failed_publish_is_retried_not_lost(make_harness, work_root):
     h = await make_harness()
     ended = await h.rollout(calc_spec(), tar_of({"calc.py": CALC_OK}))
     flaky = FlakyPublishBus(h.bus)
-    evaluator = build_evaluator(EvaluatorSettings(work_root=work_root, workers=1), bus=flaky, store=h.store,
-                                catalog=h.catalog)
+    settings = EvaluatorSettings(work_root=work_root, workers=1, retry_delay_s=0.1)
+    evaluator = build_evaluator(settings, bus=flaky, store=h.store, catalog=h.catalog)
     stop = asyncio.Event()
     runner = asyncio.create_task(evaluator.run(stop))
     try:
@@ -126,8 +126,8 @@ async def test_a_store_hiccup_is_retried_and_only_a_lasting_one_fails(make_harne
     h = await make_harness()
     ended = await h.rollout(calc_spec(), tar_of({"calc.py": CALC_OK}))
     store = FlakyStore(h.store)
-    evaluator = build_evaluator(EvaluatorSettings(work_root=work_root, workers=1), bus=h.bus, store=store,
-                                catalog=h.catalog)
+    settings = EvaluatorSettings(work_root=work_root, workers=1, retry_delay_s=0.1)
+    evaluator = build_evaluator(settings, bus=h.bus, store=store, catalog=h.catalog)
     stop = asyncio.Event()
     runner = asyncio.create_task(evaluator.run(stop))
     try:

@@ -127,3 +127,100 @@ def test_the_reference_agent_gets_the_checkout_on_its_path_only_when_gyre_is_not
     assert "PYTHONPATH" not in harness.gyre_agent().env
     monkeypatch.setattr(harness, "_gyre_installed", lambda: False)
     assert harness.gyre_agent().env["PYTHONPATH"] == "{repo}"
+
+
+def test_a_virtualenv_of_any_name_is_left_out_of_the_snapshot(tmp_path) -> None:
+    import io
+    import tarfile
+
+    from services.runner.adapters.snapshot import snapshot_workspace
+
+    (tmp_path / "venv/bin").mkdir(parents=True)
+    (tmp_path / "venv/pyvenv.cfg").write_text("home = /usr/bin\n")
+    (tmp_path / "venv/bin/python").symlink_to("/usr/bin/python3")
+    (tmp_path / "src/env").mkdir(parents=True)  # a folder that is not a virtualenv is kept
+    (tmp_path / "src/env/a.py").write_text("x = 1\n")
+    with tarfile.open(fileobj=io.BytesIO(snapshot_workspace(tmp_path))) as tar:
+        assert sorted(tar.getnames()) == ["src", "src/env", "src/env/a.py"]
+
+
+def test_an_oversized_file_is_refused_by_its_size_before_it_is_read(tmp_path, monkeypatch) -> None:
+    from services.runner.adapters import snapshot
+
+    with open(tmp_path / "big.bin", "wb") as f:
+        f.truncate(8 * 2**30)  # sparse: 8 GiB on paper, nothing on disk
+    (tmp_path / "a.txt").write_text("hi\n")
+    opened: list[str] = []
+    real_open = open
+    monkeypatch.setattr(snapshot, "open", lambda p, *a, **kw: opened.append(str(p)) or real_open(p, *a, **kw),
+                        raising=False)
+    with pytest.raises(snapshot.SnapshotTooLarge, match="more than 1048576 bytes"):
+        snapshot.snapshot_workspace(tmp_path, max_bytes=2**20)
+    assert not [p for p in opened if p.endswith("big.bin")]
+
+
+async def test_a_snapshot_that_fails_unexpectedly_still_ends_the_rollout(tmp_path, monkeypatch) -> None:
+    from services.runner import runner as runner_module
+
+    def out_of_memory(*_a, **_kw):
+        raise MemoryError("8 GiB file")
+
+    monkeypatch.setattr(runner_module, "snapshot_workspace", out_of_memory)
+    bus = InMemoryBus()
+    [o] = await runner(tmp_path, bus, MemoryBlobStore()).run_step(0, [Task("demo", "hi\n", time_limit_s=10)], 1)
+    assert o.snapshot_digest is None and "no workspace snapshot: could not take it: MemoryError" in o.log_tail
+    [ended] = await ended_events(bus)
+    assert ended.rollout_id == o.rollout_id and ended.snapshot_digest is None
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+async def test_a_lost_rollout_does_not_leave_its_workspace(tmp_path) -> None:
+    with pytest.raises(RolloutLost):
+        await runner(tmp_path, FlakyBus(failures=100), MemoryBlobStore(), io_attempts=1).run_step(
+            0, [Task("demo", "hi\n", time_limit_s=10)], 1)
+    assert list((tmp_path / "work").iterdir()) == []
+
+
+def _needs_writable_parent(real):
+    """``os.unlink``/``os.rmdir`` refusing, as for a user other than root, to remove an
+    entry from a folder without write permission."""
+    import os
+    import stat
+
+    def guarded(name, *, dir_fd=None):
+        parent = os.fstat(dir_fd) if dir_fd is not None else os.stat(os.path.dirname(os.path.abspath(name)))
+        if not parent.st_mode & stat.S_IWUSR:
+            raise PermissionError(13, "Permission denied", name)
+        return real(name, dir_fd=dir_fd)
+
+    return guarded
+
+
+def test_a_read_only_tree_is_removed_whole(tmp_path, monkeypatch) -> None:
+    import os
+
+    from services.runner.adapters import workspace
+
+    if os.geteuid() == 0:  # root ignores folder permissions: enforce them as for a non-root runner
+        monkeypatch.setattr(os, "unlink", _needs_writable_parent(os.unlink))
+        monkeypatch.setattr(os, "rmdir", _needs_writable_parent(os.rmdir))
+    dirs = workspace.prepare(tmp_path, "r1", None, "p")
+    mod = dirs.home / "go/pkg/mod/example.com/m@v1"
+    mod.mkdir(parents=True)
+    (mod / "a.go").write_text("x")
+    os.chmod(mod, 0o555)  # what Go's module cache does
+    assert workspace.remove(dirs) is True
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_tree_that_cannot_be_removed_is_reported(tmp_path, monkeypatch, caplog) -> None:
+    from services.runner.adapters import workspace
+
+    dirs = workspace.prepare(tmp_path, "r1", None, "p")
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied", str(path / "home/locked"))
+
+    monkeypatch.setattr(workspace, "remove_tree", refuse)
+    assert workspace.remove(dirs) is False
+    assert "could not delete" in caplog.text and "home/locked" in caplog.text and "prompt.md" in caplog.text

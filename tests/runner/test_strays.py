@@ -110,3 +110,18 @@ def _ppid(pid: int) -> int | None:
     except OSError:
         return None
     return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_the_run_tool_keeps_its_timeout_when_a_detached_child_holds_its_output(tmp_path) -> None:
+    """``setsid cmd &`` leaves a process outside the command's group holding the output
+    pipe: after the timeout the tool stops reading instead of waiting for it."""
+    ws = Workspace(tmp_path)
+    started = time.monotonic()
+    out = ws.run({"command": "echo before; setsid sleep 30 & echo $! > bg.pid", "timeout_s": 1})
+    took = time.monotonic() - started
+    pid = int((tmp_path / "bg.pid").read_text())
+    try:
+        assert took < 4, took
+        assert out.startswith("exit status 0 (output cut after 1 s") and "before" in out
+    finally:
+        subprocess.run(["kill", "-9", str(pid)], check=False)

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .envelope import Context, Event
+from .envelope import Context, Digest, Event
 from .registry import register
 
 
@@ -30,6 +30,14 @@ class RolloutScored(Event):
     partial: bool = False  # scored from a timed-out rollout's artifacts
     isolation: str = ""  # which sandbox was in force
     reason: str = ""  # why the score is what it is, when notable (e.g. "collection error: ...")
+    # A large suite's full list would not fit one NATS message (1 MB). Then ``tests`` holds
+    # only the outcomes that did not pass, up to a cap, ``tests_truncated`` is set, and the
+    # whole list (a JSON array of TestOutcome objects) is in the blob store at
+    # ``tests_digest`` (None if it could not be stored). ``test_counts``: outcome -> number
+    # of tests, over the whole list.
+    test_counts: dict[str, int] = Field(default_factory=dict)
+    tests_truncated: bool = False
+    tests_digest: Digest | None = None
 
 
 @register

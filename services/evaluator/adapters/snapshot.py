@@ -1,22 +1,30 @@
 """Unpacking a rollout's workspace snapshot (a tar archive) without trusting it.
 
 The archive came from an agent's workspace, so it is checked member by member before
-anything is written: no absolute names or ``..``, no device files or FIFOs, no links
-that point outside the workspace, a cap on the archive's size, on the unpacked size and
-on the member count. Regular files and folders are written first (never through a
-link, since none exists yet); hard links become copies of an earlier member; symbolic
-links are made last, and each one's real target is checked to stay inside.
+anything is written: no absolute names or ``..``, no device files or FIFOs, no hard links
+to anything outside, a cap on the archive's size, on the unpacked size and on the member
+count. Regular files and folders are written first (never through a link, since none
+exists yet); hard links become copies of an earlier member; symbolic links are made last.
+
+A symbolic link that points outside the workspace (an absolute target, too many ``..``;
+e.g. ``venv/bin/python -> /usr/bin/python3`` after ``python -m venv venv``) is skipped:
+never made, never followed, and named in ``Unpacked.skipped_links``, so the rest of the
+workspace can still be scored. After the links are made, each one's real target is
+checked; one that leads out through other links is removed again (and listed) the same way.
 """
 
 from __future__ import annotations
 
 import io
+import logging
 import os
 import shutil
 import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+
+log = logging.getLogger(__name__)
 
 
 class UnsafeSnapshot(ValueError):
@@ -34,7 +42,8 @@ class UnpackLimits:
 class Unpacked:
     files: int
     bytes: int
-    links: int
+    links: int  # symbolic links made
+    skipped_links: tuple[str, ...] = ()  # "name -> target" of links left out: they lead outside
 
 
 def unpack_snapshot(data: bytes, dest: Path, limits: UnpackLimits = UnpackLimits()) -> Unpacked:
@@ -47,16 +56,20 @@ def unpack_snapshot(data: bytes, dest: Path, limits: UnpackLimits = UnpackLimits
         raise UnsafeSnapshot("not a readable tar archive: " + " ".join(str(exc).split())) from exc
     try:
         with tar:
-            members = _checked_members(tar, limits)
-            return _extract(tar, members, dest.resolve(), limits)
+            members, skipped = _checked_members(tar, limits)
+            return _extract(tar, members, dest.resolve(), limits, skipped)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         if isinstance(exc, UnsafeSnapshot):
             raise
         raise UnsafeSnapshot(f"corrupt tar archive: {exc}") from exc
 
 
-def _checked_members(tar: tarfile.TarFile, limits: UnpackLimits) -> list[tuple[tarfile.TarInfo, PurePosixPath]]:
+def _checked_members(
+    tar: tarfile.TarFile, limits: UnpackLimits
+) -> tuple[list[tuple[tarfile.TarInfo, PurePosixPath]], list[str]]:
+    """The members to write, and the symbolic links left out because they lead outside."""
     out: list[tuple[tarfile.TarInfo, PurePosixPath]] = []
+    skipped: list[str] = []
     declared = 0
     for count, m in enumerate(tar, start=1):
         if count > limits.max_members:
@@ -67,7 +80,9 @@ def _checked_members(tar: tarfile.TarFile, limits: UnpackLimits) -> list[tuple[t
         if m.ischr() or m.isblk() or m.isfifo() or m.isdev():
             raise UnsafeSnapshot(f"member {m.name!r} is a device or FIFO")
         if m.issym():
-            _check_link_target(rel, m.linkname)
+            if not _link_stays_inside(rel, m.linkname):
+                skipped.append(_describe_link(rel, m.linkname))
+                continue
         elif m.islnk():
             try:
                 inside = _safe_name(m.linkname) is not None
@@ -82,7 +97,7 @@ def _checked_members(tar: tarfile.TarFile, limits: UnpackLimits) -> list[tuple[t
             if declared > limits.max_unpacked_bytes:
                 raise UnsafeSnapshot(f"unpacks to more than {limits.max_unpacked_bytes} bytes")
         out.append((m, rel))
-    return out
+    return out, skipped
 
 
 def _safe_name(name: str) -> PurePosixPath | None:
@@ -97,18 +112,25 @@ def _safe_name(name: str) -> PurePosixPath | None:
     return PurePosixPath(*parts) if parts else None
 
 
-def _check_link_target(rel: PurePosixPath, target: str) -> None:
-    if not target or target.startswith("/"):
-        raise UnsafeSnapshot(f"symlink {str(rel)!r} points outside the workspace ({target!r})")
+def _link_stays_inside(rel: PurePosixPath, target: str) -> bool:
+    """Whether a link's target, read as written (no link followed), stays in the workspace."""
+    if not target or target.startswith("/") or "\x00" in target:
+        return False
     depth = len(rel.parts) - 1  # folders above the link, inside the workspace
     for part in PurePosixPath(target).parts:
         depth += -1 if part == ".." else (0 if part == "." else 1)
         if depth < 0:
-            raise UnsafeSnapshot(f"symlink {str(rel)!r} points outside the workspace ({target!r})")
+            return False
+    return True
+
+
+def _describe_link(rel: PurePosixPath, target: str) -> str:
+    return f"{rel} -> {target[:200]}"
 
 
 def _extract(
-    tar: tarfile.TarFile, members: list[tuple[tarfile.TarInfo, PurePosixPath]], root: Path, limits: UnpackLimits
+    tar: tarfile.TarFile, members: list[tuple[tarfile.TarInfo, PurePosixPath]], root: Path, limits: UnpackLimits,
+    skipped: list[str],
 ) -> Unpacked:
     written = files = 0
     links: list[tuple[PurePosixPath, str]] = []
@@ -125,17 +147,39 @@ def _extract(
             files += 1
         elif m.issym():
             links.append((rel, m.linkname))
+    links = list(dict(links).items())  # a name given twice: the later link wins
     for rel, target in links:
         path = root.joinpath(*rel.parts)
         _ensure_parent(root, path)
         if path.is_symlink() or path.exists():
             _remove(path)
         os.symlink(target, path)
-    for rel, target in links:  # physical check: a chain of inside links may still lead out
-        real = Path(os.path.realpath(root.joinpath(*rel.parts)))
-        if real != root and root not in real.parents:
-            raise UnsafeSnapshot(f"symlink {str(rel)!r} resolves outside the workspace ({target!r})")
-    return Unpacked(files, written, len(links))
+    links = _drop_links_leading_out(root, links, skipped)
+    if skipped:
+        log.info("snapshot: %d symbolic link(s) leading outside the workspace not made: %s",
+                 len(skipped), ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
+    return Unpacked(files, written, len(links), tuple(skipped))
+
+
+def _drop_links_leading_out(
+    root: Path, links: list[tuple[PurePosixPath, str]], skipped: list[str]
+) -> list[tuple[PurePosixPath, str]]:
+    """Physical check: a chain of links that each point inside may still lead out. Such a
+    link is removed (unlinked, never followed) and listed; removing one can change where
+    another resolves, so the check repeats until every remaining link stays inside."""
+    while True:
+        out = [(rel, target) for rel, target in links if not _resolves_inside(root, rel)]
+        if not out:
+            return links
+        for rel, target in out:
+            os.unlink(root.joinpath(*rel.parts))
+            skipped.append(_describe_link(rel, target))
+        links = [link for link in links if link not in out]
+
+
+def _resolves_inside(root: Path, rel: PurePosixPath) -> bool:
+    real = Path(os.path.realpath(root.joinpath(*rel.parts)))
+    return real == root or root in real.parents
 
 
 def _ensure_parent(root: Path, path: Path) -> None:

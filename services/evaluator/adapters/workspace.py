@@ -94,10 +94,12 @@ _BOOT = "import sys, pytest; sys.path[:0] = sys.argv[1:3]; sys.exit(pytest.main(
 def pytest_argv(python: str, workdir: Path) -> list[str]:
     hidden = str(workdir / HIDDEN_DIR)
     # rootdir and confcutdir at the hidden folder: test names are relative to it, and a
-    # conftest.py or ini file the agent wrote in its workspace is not loaded.
+    # conftest.py or ini file the agent wrote in its workspace is not loaded. A hidden test
+    # file that fails to import (a module the agent never wrote) must not stop the others
+    # from running: its tests count as failed, the rest still score.
     return [
         python, "-I", "-B", "-u", "-c", _BOOT, str(workdir / CONTROL_DIR), str(workdir),
-        "-q", "-p", PLUGIN_MODULE, "-p", "no:cacheprovider",
+        "-q", "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--continue-on-collection-errors",
         "--rootdir", hidden, "-c", os.path.join(hidden, "pytest.ini"), "--confcutdir", hidden, hidden,
     ]
 

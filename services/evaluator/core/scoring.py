@@ -9,7 +9,9 @@ are then ``missing``). Skipped tests count as not passed: agent code could skip 
 
 from __future__ import annotations
 
+import json
 import math
+from collections import Counter
 from dataclasses import dataclass
 
 from libs.common.events import RolloutFinished, RolloutScored, RolloutScoringFailed, RolloutTimedOut, TestOutcome
@@ -137,22 +139,67 @@ def _clamp(x: float) -> float:
     return min(1.0, max(0.0, x))
 
 
+# How much of a score event the per-test list may take (NATS refuses messages over 1 MB).
+INLINE_TESTS_BYTES = 256_000
+INLINE_TESTS_MAX = 2_000
+
+
+def fits_inline(outcomes: tuple[TestOutcome, ...] | list[TestOutcome]) -> bool:
+    """Whether the whole per-test list goes in the score event."""
+    if len(outcomes) > INLINE_TESTS_MAX:
+        return False
+    return sum(_json_bytes(o) for o in outcomes) <= INLINE_TESTS_BYTES
+
+
+def inline_tests(outcomes: tuple[TestOutcome, ...] | list[TestOutcome]) -> list[TestOutcome]:
+    """The per-test list the score event carries: all of it when it fits, else the tests
+    that did not pass (in order) up to the caps; passed ones are then only counted."""
+    if fits_inline(outcomes):
+        return list(outcomes)
+    kept: list[TestOutcome] = []
+    size = 0
+    for o in outcomes:
+        if o.outcome == "passed":
+            continue
+        n = _json_bytes(o)
+        if size + n > INLINE_TESTS_BYTES:
+            continue  # a very long name; shorter ones may still fit
+        kept.append(o)
+        size += n
+        if len(kept) >= INLINE_TESTS_MAX:
+            break
+    return kept
+
+
+def _json_bytes(o: TestOutcome) -> int:
+    """An outcome's size in the event's JSON (the fixed part rounded up)."""
+    return len(json.dumps(o.name)) + len(json.dumps(o.message)) + 64
+
+
 def outcome_event_id(ended: RolloutEnded) -> str:
     """One id per ended rollout, so a redelivered evaluation is de-duplicated by the bus."""
     return f"eval-{ended.event_id}"[:128]
 
 
 def scored_event(
-    ended: RolloutEnded, result: Combined, outcomes: tuple[TestOutcome, ...], isolation: str
+    ended: RolloutEnded, result: Combined, outcomes: tuple[TestOutcome, ...], isolation: str, *,
+    tests_digest: str | None = None,
 ) -> RolloutScored:
+    """The score event; ``outcomes`` is the whole per-test list (capped here, see
+    ``inline_tests``) and ``tests_digest`` where the whole list was stored, if it was."""
+    tests = inline_tests(outcomes)
+    truncated = len(tests) < len(outcomes)
     fields = ended.caused(
         event_id=outcome_event_id(ended),
         rollout_id=ended.rollout_id,
         score=_clamp(result.score),
         components={k: _clamp(v) for k, v in result.components.items()},
-        tests=list(outcomes),
+        tests=tests,
         partial=isinstance(ended, RolloutTimedOut),
         isolation=isolation,
+        test_counts=dict(Counter(o.outcome for o in outcomes)),
+        tests_truncated=truncated,
+        tests_digest=tests_digest if truncated else None,
     )
     if "reason" in RolloutScored.model_fields:  # field requested from the catalogue owner
         fields["reason"] = result.reason

@@ -8,9 +8,16 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+
+# The evaluator's deletion, which makes read-only folders (Go's module cache, a test's
+# chmod) writable first: plain rmtree leaves them behind for a non-root runner.
+from services.evaluator.adapters.workspace import remove_tree
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,7 @@ def prepare(work_root: Path, rollout_id: str, files_dir: Path | None, prompt: st
     """Fresh folders for one rollout, the workspace a copy of the task's starting files."""
     dirs = RolloutDirs(work_root / rollout_id)
     if dirs.root.exists():
-        shutil.rmtree(dirs.root)
+        remove_tree(dirs.root)
     dirs.root.mkdir(parents=True)
     if files_dir is not None:
         shutil.copytree(files_dir, dirs.workspace, symlinks=True,
@@ -50,8 +57,25 @@ def prepare(work_root: Path, rollout_id: str, files_dir: Path | None, prompt: st
     return dirs
 
 
-def remove(dirs: RolloutDirs) -> None:
-    shutil.rmtree(dirs.root, ignore_errors=True)
+def remove(dirs: RolloutDirs) -> bool:
+    """Delete a rollout's folders; False (and the leftover logged) if some could not be."""
+    try:
+        remove_tree(dirs.root)
+    except FileNotFoundError:
+        pass
+    except OSError as exc:
+        left = _leftovers(dirs.root)
+        log.error("rollout %s: could not delete %s (%s); left on disk: %s%s", dirs.root.name, dirs.root, exc,
+                  ", ".join(left[:10]), " ..." if len(left) > 10 else "")
+        return False
+    return True
+
+
+def _leftovers(root: Path) -> list[str]:
+    try:
+        return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+    except OSError:
+        return [str(root)]
 
 
 def log_tail(dirs: RolloutDirs, max_bytes: int = 4000) -> str:

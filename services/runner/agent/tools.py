@@ -135,9 +135,14 @@ class Workspace:
             out, _ = proc.communicate(timeout=timeout)
             status = f"exit status {proc.returncode}"
         except subprocess.TimeoutExpired:
+            exited = proc.poll()
             _kill_group(proc.pid)
-            out, _ = proc.communicate()
-            status = f"killed after {timeout:g} s"
+            out = _drain(proc)
+            if exited is None:
+                status = f"killed after {timeout:g} s"
+            else:  # the shell was done; something it left (e.g. ``setsid cmd &``) held its output open
+                status = (f"exit status {exited} (output cut after {timeout:g} s: a background process "
+                          "still holds it open)")
         return f"{status}\n{_clip(out.decode('utf-8', 'replace'), self.limits.output_chars)}"
 
 
@@ -153,6 +158,27 @@ def kill_commands() -> None:
     for pgid in list(_command_groups):
         _kill_group(pgid)
         _command_groups.discard(pgid)
+
+
+_DRAIN_S = 1.0  # after a kill, how long to wait for the output's end
+
+
+def _drain(proc: subprocess.Popen) -> bytes:
+    """What is left of a killed command's output. A process outside its group (``setsid``)
+    may keep the pipe open; then what was read so far is returned and the pipe closed, so
+    the tool keeps its timeout."""
+    try:
+        out, _ = proc.communicate(timeout=_DRAIN_S)
+        return out or b""
+    except subprocess.TimeoutExpired as exc:
+        out = exc.output or b""  # everything read so far, both communicate calls together
+    if proc.stdout is not None:
+        proc.stdout.close()
+    try:
+        proc.wait(timeout=_DRAIN_S)
+    except subprocess.TimeoutExpired:
+        pass  # its group was killed; kill_commands tries again at the agent's exit
+    return out
 
 
 def _kill_group(pgid: int) -> None:
