@@ -14,6 +14,7 @@ returns a JSON-able descriptor that travels in an event (``MicroStepDone.gradien
 from __future__ import annotations
 
 import itertools
+import uuid
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -33,12 +34,18 @@ WeightSource = TensorTransfer  # core -> satellites and checkpoints
 
 
 class InProcessTransfer:
+    """Gradients handed over in this process's memory. Keys carry a per-process prefix: a
+    restarted core reads its dead predecessor's ``MicroStepDone`` events again, and their
+    descriptors must not name a gradient this process's worker stored since (a counter
+    alone would restart at 0, and the core would add the wrong micro-step's gradient)."""
+
     def __init__(self) -> None:
         self._items: dict[str, dict[str, torch.Tensor]] = {}
         self._ids = itertools.count()
+        self._prefix = f"mem-{uuid.uuid4().hex[:12]}"
 
     async def put(self, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
-        key = f"mem-{next(self._ids)}"
+        key = f"{self._prefix}-{next(self._ids)}"
         self._items[key] = {k: v.detach().clone() for k, v in tensors.items()}
         return {"kind": "memory", "key": key}
 

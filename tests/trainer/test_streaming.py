@@ -451,3 +451,21 @@ async def test_a_result_the_core_does_not_use_frees_its_in_memory_gradient(js_bu
                               loss=0.0, gradient={"transfer": descriptor})
     await core.on_done(straggler)  # not the core's step: ignored, and its gradient freed
     assert local._items == {}
+
+
+async def test_in_memory_gradient_keys_never_name_another_processs_gradient():
+    """A restarted core reads its dead predecessor's MicroStepDone events again. Their
+    in-memory descriptors must not find a gradient the new process's worker stored since
+    (with a bare counter both would say mem-0, and the core added the wrong micro-step's
+    gradient: seen with a restart while the weights were being published)."""
+    import torch
+
+    from services.trainer.transfer import InProcessTransfer
+
+    before, after = InProcessTransfer(), InProcessTransfer()  # the dead process's and the new one's
+    old = await before.put({"g": torch.zeros(2)})
+    new = await after.put({"g": torch.ones(2)})
+    assert old["key"] != new["key"]
+    with pytest.raises(LookupError, match="gone"):
+        await after.get(old)  # the core recomputes that micro-step instead
+    assert torch.equal((await after.get(new))["g"], torch.ones(2))
