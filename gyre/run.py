@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import logging
 import random
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +26,8 @@ from libs.common.runtime import connect_tool_bus
 from libs.common.events import Context, HeldoutEvaluated, RolloutScored, RolloutScoringFailed, StepApplied, decode
 from gyre.metrics import RunMetrics
 from libs.common.runconfig import RunConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -103,6 +107,19 @@ class ResumePoint:
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)
     started_steps: set[int] = field(default_factory=set)  # steps with rollouts in the log
     attempt: int = 0  # how many times the run was started before
+    queued_groups: dict[int, set[str]] = field(default_factory=dict)  # step -> groups settled (GroupQueued)
+
+    def settled_tasks(self, step: int) -> set[str]:
+        """The tasks of ``step`` whose group (of any attempt) the log shows settled: their
+        micro-steps are queued, so a re-run of the step leaves them out (the trainer counts
+        a step's groups; a task run twice would be trained twice and push another out)."""
+        prefix = f"s{step}-"
+        out = set()
+        for group in self.queued_groups.get(step, set()):
+            base = re.sub(r"^re\d+-", "", group)
+            if base.startswith(prefix):
+                out.add(base[len(prefix):])
+        return out
 
 
 async def resume_point(bus: Any, run_id: str) -> ResumePoint:
@@ -111,6 +128,11 @@ async def resume_point(bus: Any, run_id: str) -> ResumePoint:
     facts = await collect(bus, run_id)
     applied = {s["step"]: s for s in facts.steps_applied}
     point = ResumePoint(started_steps=set(facts.step_of.values()), attempt=max(facts.run_starts - 1, 0))
+    from libs.common.events import GroupQueued
+
+    async for d in bus.read(Context.TREES, filter_subject=f"gyre.{run_id}.trees.{GroupQueued.TYPE}.>"):
+        if isinstance(d.event, GroupQueued):
+            point.queued_groups.setdefault(d.event.step, set()).add(d.event.group_id)
     while point.first_step in applied:
         point.first_step += 1
     point.evals = {phase: dict(result) for phase, result in facts.evals.items() if phase == "before"}
@@ -232,9 +254,15 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
             progress.step, progress.status = step, "rollouts"
             progress.last_tasks = [t.task_id for t in chosen]
             progress.running += len(chosen) * cfg.group_size
-            # a step begun before a restart runs again under new group ids (its old groups may never complete)
+            # a step begun before a restart runs again under new group ids (its old groups may
+            # never complete), except the tasks whose groups were settled already
             prefix = f"re{resume.attempt}-" if step in resume.started_steps else ""
-            outcomes = await runner.run_step(step, chosen, cfg.group_size, weight_version=progress.weight_version,
+            settled = resume.settled_tasks(step) if prefix else set()
+            todo = [t for t in chosen if t.task_id not in settled]
+            if settled:
+                log.info("step %d: %d of its groups were settled before the restart; re-running the other %d tasks",
+                         step, len(chosen) - len(todo), len(todo))
+            outcomes = await runner.run_step(step, todo, cfg.group_size, weight_version=progress.weight_version,
                                              harness=harness, group_prefix=prefix)
             progress.running -= len(outcomes)
             progress.finished += sum(1 for o in outcomes if o.status == "finished")

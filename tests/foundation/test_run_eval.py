@@ -47,3 +47,24 @@ async def test_resume_point_starts_after_the_last_contiguous_applied_step():
     assert point.first_step == 2 and point.weight_version == 2 and point.attempt == 1
     assert point.rewards == [0.2, 0.4] and point.started_steps == {0, 1, 2}
     assert point.evals["before"]["success"] == 0.5
+
+
+async def test_a_resumed_step_re_runs_only_the_tasks_whose_groups_were_not_settled():
+    """Groups of a step that settled before a restart (GroupQueued) count toward it; the
+    re-run leaves their tasks out, so the step gets each task once and no re-run group is
+    left over after the trainer has closed the step."""
+    from gyre.run import resume_point
+    from libs.common.bus.memory import InMemoryBus
+    from libs.common.events import GroupQueued, RolloutStarted, RunStarted
+
+    bus = InMemoryBus()
+    await bus.publish(RunStarted(run_id="r"))
+    for task in ("calc", "x_calc", "slug"):
+        await bus.publish(RolloutStarted(run_id="r", rollout_id=f"s0-{task}-0", task_id=task, group_id=f"s0-{task}",
+                                         harness="h", weight_version=0, api_key_digest="a" * 64, step=0))
+    await bus.publish(GroupQueued(run_id="r", step=0, group_id="s0-x_calc", micro_steps=1, samples=2))
+    await bus.publish(GroupQueued(run_id="r", step=0, group_id="re0-s0-slug", micro_steps=1, samples=2))
+    await bus.publish(RunStarted(run_id="r"))
+    point = await resume_point(bus, "r")
+    assert point.started_steps == {0} and point.attempt == 1
+    assert point.settled_tasks(0) == {"x_calc", "slug"} and point.settled_tasks(1) == set()
