@@ -84,6 +84,10 @@ class MemoryBlobStore:
     async def has(self, digest: str) -> bool:
         return digest in self.blobs
 
+    async def delete(self, digest: str) -> None:
+        """Removes a blob (gone already is fine)."""
+        self.blobs.pop(digest, None)
+
 
 @dataclass
 class FileBlobStore:
@@ -116,6 +120,13 @@ class FileBlobStore:
 
     async def has(self, digest: str) -> bool:
         return self._path(digest).exists()
+
+    async def delete(self, digest: str) -> None:
+        """Removes a blob (gone already is fine)."""
+        try:
+            self._path(digest).unlink()
+        except (FileNotFoundError, BlobNotFound):
+            pass
 
 
 class ObjectStoreBlobStore:
@@ -165,7 +176,9 @@ class ObjectStoreBlobStore:
         d = digest_of(data)
         if len(data) <= self.SMALL_BYTES:
             fut = await self.js.publish_async(self._subject(d), data, headers={"Nats-Msg-Id": d})
-            await fut
+            ack = await fut
+            if getattr(ack, "duplicate", False) and await self._small(d) is None:
+                await self.js.publish(self._subject(d), data)  # deleted since its first put: store again
         elif not await self.has(d):
             await self.obs.put(d, data)
         return d
@@ -202,3 +215,15 @@ class ObjectStoreBlobStore:
         except (ObjectNotFoundError, NotFoundError):
             return False
         return not getattr(info, "deleted", False)
+
+    async def delete(self, digest: str) -> None:
+        """Removes a blob, a single message or an object (gone already is fine). Blobs are
+        content-addressed: whoever deletes one must know nobody else still needs those bytes
+        (the trainer core deletes the gradients of checkpointed steps)."""
+        from nats.js.errors import NotFoundError, ObjectNotFoundError
+
+        await self.js.purge_stream(self.stream, subject=self._subject(digest))
+        try:
+            await self.obs.delete(digest)
+        except (ObjectNotFoundError, NotFoundError):
+            pass

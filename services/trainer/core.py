@@ -75,6 +75,10 @@ class CoreTrainer:
         self.plans: dict[int, _StepPlan] = {}
         self.reducer = StepReducer(0, 0)
         self._lock = asyncio.Lock()
+        # step -> digests of gradient blobs (satellites' micro-steps) read or passed over for
+        # it: deleted once the step is in a checkpoint (a full fp32 gradient each, which the
+        # blob store would otherwise keep for good); a restart before that reads them again
+        self._spent: dict[int, set[str]] = {}
 
     # -------------------------------------------------------------------- start / resume
     async def start(self) -> None:
@@ -89,6 +93,7 @@ class CoreTrainer:
         # what the log gives again (the trees stream is re-read from its start, the training
         # stream from the checkpoint's position): nothing of an earlier run() is kept
         self.plans = {}
+        self._spent = {}
         self.reducer = StepReducer(self.state.step, self.state.weight_version)
         await self._publish_pending()  # killed between its checkpoint and publishing it
         await self._publish_weights(cause=None)
@@ -165,6 +170,9 @@ class CoreTrainer:
     async def on_done(self, ev: MicroStepDone, seq: int = 0) -> None:
         if seq:
             self.state.consumed["training"] = seq
+        transfer = ev.gradient.get("transfer")
+        if isinstance(transfer, dict) and transfer.get("kind") == "blob" and transfer.get("digest"):
+            self._spent.setdefault(ev.step, set()).add(transfer["digest"])
         if ev.step != self.state.step or ev.micro_step in self.reducer.used:
             await self._discard(ev)  # an applied step's straggler, or a duplicate
             return
@@ -271,8 +279,23 @@ class CoreTrainer:
         self.state.pending_applied = applied_ev.model_dump(mode="json")
         if self.settings.checkpoint_dir:
             save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
+            await self._delete_spent(r.step)  # only once nothing would read them again
         await self._publish_pending()
         await self._publish_weights(cause)
+
+    async def _delete_spent(self, through_step: int) -> None:
+        """Deletes the gradient blobs of steps up to ``through_step``, now checkpointed (a
+        MicroStepDone of such a step that comes again is a straggler: passed over)."""
+        delete = getattr(self.blobs, "delete", None)
+        for step in [k for k in self._spent if k <= through_step]:
+            digests = self._spent.pop(step)
+            if delete is None:
+                continue
+            for digest in digests:
+                try:
+                    await delete(digest)
+                except Exception as exc:  # a leftover blob costs space, not correctness
+                    log.warning("core: could not delete gradient blob %s of step %d: %r", digest[:12], step, exc)
 
     async def _publish_pending(self) -> None:
         """Publishes the checkpointed StepApplied unless the log has it already."""

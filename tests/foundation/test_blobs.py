@@ -75,3 +75,15 @@ def test_token_and_logprob_codecs() -> None:
     assert len(encode_tokens(ids)) == 4 * len(ids)
     lps = [-0.5, -1e-6, -20.25]
     assert decode_logprobs(encode_logprobs(lps)) == pytest.approx(lps, rel=1e-6)
+
+
+async def test_a_deleted_blob_is_gone_and_deleting_again_is_fine(store) -> None:
+    small, large = b"small gradient", bytes(range(256)) * 4096  # 1 MiB: the object store's side
+    digests = [await store.put(small), await store.put(large)]
+    for d in digests:
+        await store.delete(d)
+        assert not await store.has(d)
+        with pytest.raises(BlobNotFound):
+            await store.get(d)
+        await store.delete(d)  # gone already
+    assert await store.put(small) == digests[0] and await store.get(digests[0]) == small  # stored again

@@ -118,6 +118,10 @@ async def test_core_and_satellite_train_two_steps(js_bus, tmp_path, transfer):
     dones = await _events(js_bus, Context.TRAINING, MicroStepDone)
     assert {e.cell for e in dones} <= {"core", "sat0"} and sum(len(w.done) for w in workers) == 4
     assert {e.gradient["transfer"]["kind"] for e in dones if e.cell == "sat0"} <= {transfer}
+    # a satellite's gradient blob is deleted once its step is in a checkpoint (the last
+    # step's too: it is checkpointed before the weights go out)
+    sent = [e.gradient["transfer"]["digest"] for e in dones if e.gradient["transfer"]["kind"] == "blob"]
+    assert [d for d in sent if await blobs.has(d)] == []
     from services.trainer.replay import replay_step
 
     for step in (0, 1):  # `gyre replay --step N`: the log + the checkpoint give the recorded loss
