@@ -72,6 +72,7 @@ class TrainerSection(_Section):
     lr: float = Field(default=1e-5, gt=0)
     micro_step_tokens: int = Field(default=8192, ge=64)
     staleness: int = Field(default=1, ge=0)  # samples older than this many weight versions are dropped
+    keep_checkpoints: int | None = Field(default=None, ge=1)  # newest core checkpoints kept (None: all)
 
 
 class CellsSection(_Section):

@@ -54,6 +54,7 @@ class CoreSettings:
     checkpoint_dir: Path | None = None
     groups_per_step: int | None = None
     max_staleness: int | None = None  # as the workers': a micro-step computed here refuses the same samples
+    keep_checkpoints: int | None = None  # newest checkpoints kept (None: all; replay of step N needs step N's)
 
 
 @dataclass
@@ -89,7 +90,8 @@ class CoreTrainer:
             self.optimizer.load_state_dict(opt)
             log.info("core resumes at step %d (v%d) from %s", self.state.step, self.state.weight_version, ckpt)
         elif self.settings.checkpoint_dir:  # step 0's starting point, for replay
-            save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
+            save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer,
+                            keep=self.settings.keep_checkpoints)
         # what the log gives again (the trees stream is re-read from its start, the training
         # stream from the checkpoint's position): nothing of an earlier run() is kept
         self.plans = {}
@@ -278,7 +280,8 @@ class CoreTrainer:
         # at any point resumes from a checkpoint the log has not gone past.
         self.state.pending_applied = applied_ev.model_dump(mode="json")
         if self.settings.checkpoint_dir:
-            save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer)
+            save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer,
+                            keep=self.settings.keep_checkpoints)
             await self._delete_spent(r.step)  # only once nothing would read them again
         await self._publish_pending()
         await self._publish_weights(cause)

@@ -4,7 +4,8 @@ The lead registers ``SPEC`` in ``gyre/services.py``. Options (run config or comm
 line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
 ``megatron``), ``model`` (an HF folder or ``tiny-qwen``), ``tp``, ``lr``, ``eps_low``,
 ``eps_high``, ``tis_cap``, ``kl_coef``, ``max_grad_norm``, ``groups_per_step``,
-``checkpoint_dir``, ``max_staleness``, ``ack_wait_s``, ``transfer`` (``blob`` |
+``checkpoint_dir``, ``keep_checkpoints`` (the newest N checkpoints kept; default all, which
+``gyre replay --step`` of any step needs), ``max_staleness``, ``ack_wait_s``, ``transfer`` (``blob`` |
 ``port``: how satellites send gradients; the core reads either), ``publish_to``
 (``cell=url,cell=url``: inference cells to publish weights to), ``publish_mode``
 (``tensor`` | ``disk``), ``publish_pause`` (``none`` | ``in_place``: pause generation
@@ -39,7 +40,7 @@ def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
     loss, trainer = config.get("loss") or {}, config.get("trainer") or {}
     pairs = {"backend": trainer.get("backend"), "lr": trainer.get("lr"), "max_staleness": trainer.get("staleness"),
              "eps_low": loss.get("clip_low"), "eps_high": loss.get("clip_high"), "kl_coef": loss.get("kl_coef"),
-             "tis_cap": loss.get("tis_cap")}
+             "tis_cap": loss.get("tis_cap"), "keep_checkpoints": trainer.get("keep_checkpoints")}
     return {k: v for k, v in pairs.items() if v is not None}
 
 
@@ -50,7 +51,8 @@ ENV = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYR
        "kl_coef": "GYRE_TRAINER_KL_COEF", "max_staleness": "GYRE_TRAINER_MAX_STALENESS",
        "transfer": "GYRE_TRAINER_TRANSFER", "tp": "GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE",
        "ack_wait_s": "GYRE_TRAINER_ACK_WAIT_S", "publish_mode": "GYRE_TRAINER_PUBLISH_MODE",
-       "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE", "follow_role": "GYRE_TRAINER_FOLLOW_ROLE"}
+       "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE", "follow_role": "GYRE_TRAINER_FOLLOW_ROLE",
+       "keep_checkpoints": "GYRE_TRAINER_KEEP_CHECKPOINTS"}
 
 
 def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
@@ -185,7 +187,11 @@ async def trainer_main(ctx: ServiceContext) -> None:
     checkpoints = Path(_opt(options, "checkpoint_dir", str, str(rt.settings.run_dir / "trainer" / "checkpoints")))
     local = InProcessTransfer()  # the core's own worker hands its gradients over in memory
     settings = CoreSettings(run_id, cell, train, checkpoints, _opt(options, "groups_per_step", int, None),
-                            max_staleness=settings_w.max_staleness)
+                            max_staleness=settings_w.max_staleness,
+                            keep_checkpoints=_opt(options, "keep_checkpoints", int, None))
+    if settings.keep_checkpoints is not None and settings.keep_checkpoints < 1:
+        raise ValueError(f"keep_checkpoints (GYRE_TRAINER_KEEP_CHECKPOINTS) must be at least 1, "
+                         f"not {settings.keep_checkpoints}")
     publisher = _publisher(options, rt.settings.admin_token, rt.settings.run_dir)
     core = CoreTrainer(settings, await asyncio.to_thread(build_backend, options), bus=rt.bus, blobs=rt.blobs,
                        gradients=RoutedTransfer(gradients, memory=local, blob=blob, port=port or _port_transfer()),

@@ -262,3 +262,18 @@ def test_a_latest_checkpoint_that_is_lost_falls_back_to_the_newest_readable(tmp_
     (folder / "LATEST").unlink()  # killed before LATEST was first written: the newest there is
     assert load_latest_checkpoint(folder)[1].step == 1
     assert load_latest_checkpoint(tmp_path / "none") is None
+
+
+def test_only_the_newest_checkpoints_are_kept_when_asked(tmp_path, torch_backend):
+    """keep_checkpoints: a long run on a big model cannot keep a full checkpoint (weights and
+    optimizer) per step; the newest N stay, LATEST among them."""
+    from services.trainer.checkpoint import TrainerState, load_latest_checkpoint, save_checkpoint
+
+    opt = torch.optim.AdamW([p for _, p in torch_backend.named_parameters()])
+    folder = tmp_path / "ckpt"
+    for step in range(5):
+        save_checkpoint(folder, TrainerState(step=step), torch_backend.hf_state_dict(), opt, keep=2)
+    assert sorted(p.name for p in folder.glob("step-*.pt")) == ["step-000003.pt", "step-000004.pt"]
+    assert load_latest_checkpoint(folder)[1].step == 4
+    with pytest.raises(ValueError, match="at least 1"):
+        save_checkpoint(folder, TrainerState(step=5), torch_backend.hf_state_dict(), opt, keep=0)
