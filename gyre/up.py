@@ -99,7 +99,8 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
               **({"GYRE_EVALUATOR_JUDGE__BASE_URL": cfg.evaluator.judge_url,
                   "GYRE_EVALUATOR_JUDGE__MODEL": cfg.evaluator.judge_model} if cfg.evaluator.judge_url else {})}
     plan = [Launch("projector", "projector", free_port(), common, 0),
-            Launch("proxy", "proxy", proxy_port, common, 0),
+            Launch("proxy", "proxy", proxy_port,  # calls naming no max_tokens get the run's
+                   {**common, "GYRE_PROXY_DEFAULT_MAX_TOKENS": str(cfg.sampling.max_tokens)}, 0),
             Launch("trajectory", "trajectory", free_port(), common, 0),
             Launch("evaluator", "evaluator", free_port(), common, 0)]
     trainer_env = {f"GYRE_TRAINER_{k.upper()}": str(v) for k, v in trainer_options(cfg.model_dump()).items()}

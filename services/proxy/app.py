@@ -7,7 +7,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import json
 import logging
+import re
 import time
 
 import orjson
@@ -62,9 +64,20 @@ async def _json_body(request: Request, max_bytes: int) -> Any:
     if len(raw) > max_bytes:
         raise ApiError(413, "too_large", f"request body of {len(raw)} bytes is over the {max_bytes}-byte limit")
     try:
-        return orjson.loads(raw)  # contexts reach megabytes: the C parser keeps this off the hot path
+        body = orjson.loads(raw)  # contexts reach megabytes: the C parser keeps this off the hot path
     except (ValueError, UnicodeDecodeError) as exc:
         raise ApiError(400, "invalid_request", f"request body is not valid JSON: {exc}") from exc
+    if _LONG_NUMBER.search(raw):
+        # orjson reads an integer beyond 64 bits as a float; a tool call's argument echoed
+        # back must stay the integer the model wrote (the standard parser keeps it exact)
+        try:
+            body = json.loads(raw)
+        except (ValueError, RecursionError):
+            pass
+    return body
+
+
+_LONG_NUMBER = re.compile(rb"\d{19}")  # 19 digits or more: maybe beyond 64 bits
 
 
 def create_app(service: ProxyService, *, admin_token: str | None, registry: CollectorRegistry | None = None,

@@ -7,6 +7,12 @@ Configuration (environment):
   scheduler adds and drains cells at run time through the admin endpoints);
 - ``GYRE_POLICY_MODEL``: the policy's model name (default ``policy``);
   ``GYRE_PROXY_STRICT_MODELS=1``: unknown model names get a 404;
+- ``GYRE_PROXY_DEFAULT_MAX_TOKENS``: max_tokens for a call that names none (Codex sends no
+  ``max_output_tokens``, mini-swe-agent via litellm no ``max_tokens``); unset: all the room
+  left in the context (``gyre up`` sets it to the run config's ``sampling.max_tokens``);
+- ``GYRE_PROXY_MAX_CONTEXT``: cap on a call's context (prompt + answer); the proxy also asks
+  each cell for its ``context_length`` (``/server_info``) and keeps to the smallest, and
+  until one answers (with no cap set) uses the tokenizer's ``model_max_length``;
 - ``GYRE_ADMIN_TOKEN``: token for ``/admin/*``;
 - ``GYRE_PROXY_KV_MOVER=port``: move KV blocks through the transfer port (Mooncake/UCX)
   when evacuating a cell, instead of the engines' HTTP export/import.
@@ -35,6 +41,20 @@ def parse_cells(spec: str) -> dict[str, str]:
     return cells
 
 
+def positive_int_env(name: str) -> int | None:
+    """A positive integer setting, or None when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {raw!r}")
+    return value
+
+
 def model_folder(model: str) -> str:
     from services.engine.model_store import resolve_model
 
@@ -49,7 +69,9 @@ async def proxy_main(ctx: ServiceContext) -> None:
     settings = ctx.runtime.settings
     renderer = await asyncio.to_thread(HFRenderer, model_folder(os.environ.get("GYRE_MODEL", "tiny-qwen")))
     config = ProxyConfig(run_id=settings.run_id, policy_model=os.environ.get("GYRE_POLICY_MODEL", "policy"),
-                         strict_models=os.environ.get("GYRE_PROXY_STRICT_MODELS") == "1")
+                         strict_models=os.environ.get("GYRE_PROXY_STRICT_MODELS") == "1",
+                         default_max_tokens=positive_int_env("GYRE_PROXY_DEFAULT_MAX_TOKENS"),
+                         max_context=positive_int_env("GYRE_PROXY_MAX_CONTEXT"))
     service = ProxyService(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs, renderer=renderer, router=Router(),
                            clients={}, client_factory=lambda url: EngineClient(url, admin_token=settings.admin_token,
                                                                                timeout=600))

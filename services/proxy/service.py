@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import hmac
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -27,11 +28,14 @@ from .core.hints import request_kind
 from .core.messages import text_digest, tools_key
 from .core.routing import CellState, Router
 from .core.tito import Plan, Renderer, TemplateError
-from .core.toolparse import StreamParser, parse_output, partial_tail
+from .core.toolparse import Parsed, StreamParser, parse_output, partial_tail
 from .generation import CellClient, CellFailure, CellRejected, Outcome, generate
 from .history import RolloutBook, RolloutState, encode_match_index, key_digest
 
 log = logging.getLogger(__name__)
+
+CONTEXT_ASK_TIMEOUT_S = 5.0  # a call waits at most this for a new cell to tell its context length
+CONTEXT_RETRY_S = 30.0  # a cell that did not tell is asked again after this
 
 
 @dataclass
@@ -40,8 +44,11 @@ class ProxyConfig:
     policy_model: str = "policy"
     aliases: dict[str, str] = field(default_factory=dict)
     strict_models: bool = False  # unknown model names get a 404 instead of the policy
-    default_max_tokens: int = 1024
-    max_context: int | None = None  # None: the tokenizer's model_max_length
+    # max_tokens for a call that names none (Codex, litellm); None: the room left in the context
+    default_max_tokens: int | None = None
+    # the most tokens (prompt + answer) a call may use; each cell's own context length (its
+    # /server_info) caps it further. None: the cells' alone (the tokenizer's until one answers)
+    max_context: int | None = None
 
 
 @dataclass
@@ -72,7 +79,10 @@ class ProxyService:
         stop_texts = tuple(getattr(renderer, "stop_texts", ("<|im_end|>",)))
         self.stop_texts = stop_texts
         self.stop_token_ids = list(getattr(renderer, "stop_token_ids", []))
-        self.max_context = config.max_context or int(getattr(renderer, "max_context", 32768))
+        self.tokenizer_context = int(getattr(renderer, "max_context", 32768) or 32768)
+        self.cell_context: dict[str, int | None] = {}  # cell -> its context length (None: it does not say)
+        self._context_asks: dict[str, asyncio.Task] = {}  # cell -> its /server_info question in flight
+        self._context_retry_at: dict[str, float] = {}  # cell -> when to ask again after no answer
         self.book = RolloutBook(config.run_id, bus, blobs, renderer, stop_texts)
         self.book.on_ended.append(router.forget_rollout)  # an ended rollout's sessions pin no cell
         self.stats = CallStats()
@@ -86,6 +96,80 @@ class ProxyService:
             raise ValueError("this proxy was built without a cell client factory")
         self.clients[name] = self.client_factory(url)
         self.router.add_cell(name, capacity)
+        self._forget_context(name)  # (re-)added: maybe another engine; ask it before its first call
+
+    # -- context length ------------------------------------------------------------------
+
+    @property
+    def max_context(self) -> int:
+        """The context (prompt + answer) every cell can take: the smallest its cells report
+        and ``GYRE_PROXY_MAX_CONTEXT``; the tokenizer's ``model_max_length`` (often larger than
+        the engines') only while no cell has said and no limit is set."""
+        known = [n for name, n in self.cell_context.items() if n and name in self.router.cells]
+        if self.config.max_context:
+            known.append(self.config.max_context)
+        return min(known) if known else self.tokenizer_context
+
+    @max_context.setter
+    def max_context(self, value: int | None) -> None:
+        """Set the limit (as ``GYRE_PROXY_MAX_CONTEXT`` does); the cells' own still cap it."""
+        self.config.max_context = value
+
+    def _forget_context(self, name: str) -> None:
+        self.cell_context.pop(name, None)
+        self._context_retry_at.pop(name, None)
+
+    async def learn_contexts(self, timeout_s: float = CONTEXT_ASK_TIMEOUT_S) -> None:
+        """Ask each cell whose context length is not known yet (its ``/server_info``
+        ``context_length``), once at a time per cell; a cell that does not answer is asked
+        again after ``CONTEXT_RETRY_S``. Waits at most ``timeout_s``."""
+        now = time.monotonic()
+        waiting = []
+        for name in list(self.router.cells):
+            if name in self.cell_context:
+                continue
+            task = self._context_asks.get(name)
+            if task is None:
+                if now < self._context_retry_at.get(name, 0.0):
+                    continue
+                task = self._context_asks[name] = asyncio.create_task(self._ask_context(name))
+                task.add_done_callback(lambda _t, n=name: self._context_asks.pop(n, None))
+            waiting.append(task)
+        if waiting:
+            await asyncio.wait(waiting, timeout=timeout_s)  # a late answer still lands for the next call
+
+    async def _ask_context(self, name: str) -> None:
+        client = self.clients.get(name)
+        ask = getattr(client, "server_info", None)
+        if ask is None:  # a client that cannot say: the override and the other cells decide
+            self.cell_context[name] = None
+            return
+        try:
+            info = await asyncio.wait_for(ask(), CONTEXT_ASK_TIMEOUT_S)
+            n = context_length_of(info)
+        except Exception as exc:  # down, not there yet, or not an engine that says
+            log.warning("cell %s did not tell its context length (%r); asking again in %.0fs", name, exc,
+                        CONTEXT_RETRY_S)
+            self._context_retry_at[name] = time.monotonic() + CONTEXT_RETRY_S
+            return
+        if self.clients.get(name) is not client:
+            return  # re-added behind another engine meanwhile: that one is asked afresh
+        if n is None:
+            log.warning("cell %s's /server_info names no context_length", name)
+        else:
+            log.info("cell %s: context length %d", name, n)
+        self.cell_context[name] = n
+
+    def _learn_from_rejection(self, cell: str | None, message: str) -> int | None:
+        """A cell that refused a call for its context length names that length: keep it."""
+        n = context_length_in(message)
+        if n is None or cell is None or cell not in self.router.cells:
+            return None
+        known = self.cell_context.get(cell)
+        if known is None or n < known:
+            self.cell_context[cell] = n
+            log.warning("cell %s refused a call for its context length: %d tokens from now on", cell, n)
+        return n
 
     async def probe_cells(self, timeout_s: float = 5.0) -> list[str]:
         """Bring back cells this proxy marked down after a failed call, once their health
@@ -102,6 +186,7 @@ class ProxyService:
                 ok = False
             if ok and cell.state is CellState.DOWN:
                 self.router.activate(name)
+                self._forget_context(name)  # maybe restarted with another model or context length
                 back.append(name)
                 log.info("cell %s answers its health check again: active", name)
         return back
@@ -113,6 +198,10 @@ class ProxyService:
                 await asyncio.wait_for(stop.wait(), every_s)
             except asyncio.TimeoutError:
                 await self.probe_cells()
+                try:
+                    await self.learn_contexts()
+                except Exception:  # never stop the watch
+                    log.exception("asking the cells for their context length failed")
 
     # -- models and auth ---------------------------------------------------------------
 
@@ -155,20 +244,15 @@ class ProxyService:
             await self.book.sync(st)
             plan = self._plan(st, req)
             input_ids = st.tito.input_ids(plan)
-        max_new = req.max_tokens or self.config.default_max_tokens
-        # SGLang's rule: input + max_new_tokens < context length; leave room for one token at least
-        room = self.max_context - 1 - len(input_ids)
-        if room < 1:
-            raise ApiError(400, "invalid_request",
-                           f"prompt is too long: {len(input_ids)} tokens > {self.max_context - 2} maximum")
-        max_new = min(max_new, room)
+        await self.learn_contexts()  # cells added since the last call tell their context length first
+        max_new = self._budget(len(input_ids), req.max_tokens)
         call_id = uuid.uuid4().hex
         session = st.call_session.get(plan.parent_call_id or "", "") or f"{rollout_id}/{call_id}"
         if plan.parent_call_id is None:
             await self.bus.publish(SessionOpened(run_id=self.config.run_id, session_id=session, rollout_id=rollout_id,
                                                  hints=self._hints(req, hints)))
         req.max_tokens = max_new
-        sampling = req.sampling_params(self.config.default_max_tokens, self.stop_token_ids)
+        sampling = req.sampling_params(max_new, self.stop_token_ids)
         call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic())
         try:
             async for ev in self._run(call, req, sampling):
@@ -188,52 +272,76 @@ class ProxyService:
     async def _run(self, call: "_Call", req: ChatRequest, sampling: dict) -> AsyncIterator[GenEvent]:
         decoder = IncrementalDecoder(self.renderer.decode)
         cutter = StopCutter(req.stop)
-        parser = StreamParser(self.stop_texts)
+        parser = StreamParser(self.stop_texts)  # its shown text adds up to exactly parser.content
         sent_calls = [0]
-        held = [""]  # trailing whitespace: shown only if more text follows (a reply's content is
-        # stripped around tool calls, so streamed and whole answers say the same)
+        streamed = [""]  # what the decoder let through, before stop sequences and parsing
 
-        after_call = [False]  # no text yet since the last tool call: its leading whitespace goes
-
-        def deltas(text: str, think: str, final: bool = False) -> list[GenEvent]:
+        def deltas(text: str, think: str) -> list[GenEvent]:
             out: list[GenEvent] = [ThinkingDelta(think)] if think else []
-            text = held[0] + text
-            if after_call[0]:
-                text = text.lstrip()
-            body = text.rstrip()
-            held[0] = text[len(body):]
-            if final and not parser.tool_calls:
-                body, held[0] = body + held[0], ""
-            if body:
-                out.append(TextDelta(body))
-                after_call[0] = False
-            if len(parser.tool_calls) > sent_calls[0]:
-                held[0], after_call[0] = "", True
+            if text:
+                out.append(TextDelta(text))
             for i in range(sent_calls[0], len(parser.tool_calls)):
                 out.append(ToolCallDone(parser.tool_calls[i], i))
             sent_calls[0] = len(parser.tool_calls)
             return out
 
-        async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids, sampling,
-                                    call.outcome):
+        async for piece in self._generate(call, req, sampling):
             if call.first_token is None:
                 call.first_token = time.monotonic()
             call.add(piece.ids, piece.logprobs, piece.weight_version)
-            for ev in deltas(*parser.feed(cutter.feed(decoder.push(piece.ids)))):
+            text = decoder.push(piece.ids)
+            streamed[0] += text
+            for ev in deltas(*parser.feed(cutter.feed(text))):
                 yield ev
+        # the decoder holds back an unfinished character; the whole decode has the rest
+        whole = self.renderer.decode(call.output_ids)
+        if whole.startswith(streamed[0]):
+            for ev in deltas(*parser.feed(cutter.feed(whole[len(streamed[0]):]))):
+                yield ev
+        else:
+            log.warning("call %s: the streamed decode is not a prefix of the whole decode", call.call_id)
         for ev in deltas(*parser.feed(cutter.finish())):
             yield ev
-        for ev in deltas(*parser.finish(), final=True):
+        for ev in deltas(*parser.finish()):
             yield ev
-        # the record keeps what the full decode says (streamed deltas are for the caller's eyes)
-        call.parsed = self._parse(call, req)
-        call.parsed.tool_calls = list(parser.tool_calls) or call.parsed.tool_calls
+        # the record is what the caller was shown: its next request sends exactly this back
+        call.parsed = Parsed(parser.content, list(parser.tool_calls), parser.reasoning)
         out = call.outcome
         reason = "tool_calls" if call.parsed.tool_calls and out.finish_reason == "stop" else out.finish_reason
         stop_seq = out.matched_stop if isinstance(out.matched_stop, str) else cutter.matched
         yield Finished(reason if not stop_seq else "stop_sequence", len(call.input_ids), len(call.output_ids),
                        out.cached_tokens, call.parsed.content, tuple(call.parsed.tool_calls), call.parsed.reasoning,
                        call.call_id, stop_seq, call.plan.drift.value)
+
+    def _budget(self, n_input: int, asked: int | None, limit: int | None = None) -> int:
+        """max_new_tokens for a prompt of ``n_input`` tokens: what the caller asked for (else
+        the configured default, else all the room left), within the context."""
+        limit = limit or self.max_context
+        # SGLang's rule: input + max_new_tokens < context length; leave room for one token at least
+        room = limit - 1 - n_input
+        if room < 1:
+            raise prompt_too_long(n_input, limit)
+        return min(asked or self.config.default_max_tokens or room, room)
+
+    async def _generate(self, call: "_Call", req: ChatRequest, sampling: dict) -> AsyncIterator:
+        """``generate``, once more if the cell refused the call for a context length smaller
+        than this proxy knew (it is learnt, and the call fits it or gets "prompt is too long")."""
+        try:
+            async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids,
+                                        sampling, call.outcome):
+                yield piece
+            return
+        except CellRejected as exc:
+            limit = self._learn_from_rejection(call.outcome.cells[-1] if call.outcome.cells else None, exc.message)
+            if limit is None or call.output_ids:
+                raise
+            max_new = self._budget(len(call.input_ids), req.max_tokens, min(limit, self.max_context))
+            if max_new >= sampling.get("max_new_tokens", 0):
+                raise  # not for want of room
+        call.outcome = Outcome()
+        async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids,
+                                    dict(sampling, max_new_tokens=max_new), call.outcome):
+            yield piece
 
     def _parse(self, call: "_Call", req: ChatRequest):
         """The reply as the caller sees it: cut before a matched stop sequence (the
@@ -257,8 +365,17 @@ class ProxyService:
         async with st.lock:
             if call.committed:
                 return
-            boundaries = st.tito.record(call.call_id, call.plan, call.output_ids, parsed.as_msg(), req.tools,
-                                        tools_key(req.tools), call.outcome.finish_reason == "stop")
+            try:
+                boundaries = st.tito.record(call.call_id, call.plan, call.output_ids, parsed.as_msg(), req.tools,
+                                            tools_key(req.tools), call.outcome.finish_reason == "stop")
+            except Exception:
+                # The tokens are the training data: record the call without a match index
+                # (a next turn forks instead of continuing it), and let the rollout's next
+                # call rebuild this replica's history from the log.
+                log.exception("call %s: could not index the reply; recorded without a match index", call.call_id)
+                boundaries = []
+                if self.book.states.get(st.rollout_id) is st:
+                    del self.book.states[st.rollout_id]
             st.call_session[call.call_id] = call.session
             digests = await asyncio.gather(
                 self.blobs.put(encode_tokens(call.plan.new_ids)), self.blobs.put(encode_tokens(call.output_ids)),
@@ -350,6 +467,33 @@ class ProxyService:
     async def drain_background(self) -> None:
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+
+
+def prompt_too_long(n_input: int, limit: int) -> ApiError:
+    """The wording Claude Code answers by compacting its context (and others understand)."""
+    return ApiError(400, "invalid_request", f"prompt is too long: {n_input} tokens > {limit - 2} maximum")
+
+
+def context_length_of(info: object) -> int | None:
+    """A cell's context length from its ``/server_info`` (Gyre's engine and SGLang:
+    ``context_length``; SGLang also ``max_req_input_len``, one less)."""
+    if not isinstance(info, dict):
+        return None
+    for key, extra in (("context_length", 0), ("max_req_input_len", 1)):
+        v = info.get(key)
+        if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+            return v + extra
+    return None
+
+
+_CONTEXT_IN = re.compile(r"context length(?: of| \()\s*(\d+)")
+
+
+def context_length_in(message: str) -> int | None:
+    """The context length an engine's refusal names ("... maximum context length of N
+    tokens", "... the model's context length (N tokens)"), if it names one."""
+    m = _CONTEXT_IN.search(message)
+    return int(m.group(1)) if m else None
 
 
 APPEND_TRIES = 8  # with APPEND_BACKOFF_S doubling (at most 2 s): about 9 s, enough for a NATS reconnect

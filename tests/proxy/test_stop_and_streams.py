@@ -119,15 +119,16 @@ async def test_responses_stream_items_are_indexed_and_match_the_completed_respon
                                                                       "stream": True})
     events = sse_data(r.text)
     added = [(d["output_index"], d["item"]["type"]) for d in events if d["type"] == "response.output_item.added"]
-    assert added == [(0, "message"), (1, "function_call"), (2, "function_call"), (3, "message")]
+    # one message with all the text (a client echoes a second message as a second assistant
+    # turn, which the record does not have), then the calls: the non-streamed order
+    assert added == [(0, "message"), (1, "function_call"), (2, "function_call")]
     done = [d["item"] for d in events if d["type"] == "response.output_item.done"]
-    assert [d["output_index"] for d in events if d["type"] == "response.output_item.done"] == [0, 1, 2, 3]
+    assert [d["output_index"] for d in events if d["type"] == "response.output_item.done"] == [0, 1, 2]
     deltas = [(d["output_index"], d["item_id"], d["delta"]) for d in events
               if d["type"] == "response.output_text.delta"]
     assert all(i >= 0 for i, _, _ in deltas)
-    assert "".join(t for i, _, t in deltas if i == 0) == "Let me look."
-    assert "".join(t for i, _, t in deltas if i == 3) == "Done looking."
-    assert len({item["id"] for item in done}) == 4 and {i for i, _, _ in deltas} == {0, 3}
+    assert "".join(t for i, _, t in deltas if i == 0) == "Let me look.\n\n\nDone looking."
+    assert len({item["id"] for item in done}) == 3 and {i for i, _, _ in deltas} == {0}
     completed = next(d for d in events if d["type"] == "response.completed")["response"]
     assert completed["output"] == done
 

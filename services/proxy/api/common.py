@@ -188,7 +188,7 @@ def parse_arguments(raw: Any, param: str) -> dict[str, Any] | str:
     if isinstance(raw, str):
         try:
             parsed = json.loads(raw) if raw.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return raw
         return parsed if isinstance(parsed, dict) else raw
     raise bad_request(f"'{param}' must be a JSON string or object", param)

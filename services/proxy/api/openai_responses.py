@@ -126,8 +126,12 @@ def response(req: ChatRequest, fin: Finished, rid: str | None = None) -> dict[st
 
 
 async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
-    """Items in the order the model wrote them (thinking, text, calls, text after a call in
-    an item of its own); ``response.completed`` lists exactly the items streamed."""
+    """The items of the non-streamed response, in its order: thinking, one message with
+    all the text (text the model wrote after a tool call included), then the function
+    calls, which are streamed when the text is complete. A client keeps the items it is
+    streamed and sends them back as the assistant's turn: a message after a call would come
+    back as a second assistant message, not the recorded reply. ``response.completed``
+    lists exactly the items streamed."""
     rid = f"resp_{uuid.uuid4().hex[:24]}"
     seq = 0
 
@@ -142,6 +146,7 @@ async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIter
     yield ev("response.in_progress", {"response": base})
     items: list[dict[str, Any]] = []  # finished items, at their output_index
     open_item: dict[str, Any] | None = None  # {"kind", "index", "id", "text"} of the item being streamed
+    calls: list[ToolCall] = []  # function calls, streamed after the message
 
     def close() -> list[str]:
         nonlocal open_item
@@ -192,24 +197,24 @@ async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIter
             yield ev(delta, {"item_id": open_item["id"], "output_index": open_item["index"], "content_index": 0,
                              "delta": e.text})
         elif isinstance(e, ToolCallDone):
-            for s in close():
-                yield s
-            idx = len(items)
-            item = _call_item(e.call)
-            yield ev("response.output_item.added", {"output_index": idx, "item": item | {"arguments": "",
-                                                                                          "status": "in_progress"}})
-            yield ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx,
-                                                                 "delta": item["arguments"]})
-            yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
-                                                                "arguments": item["arguments"]})
-            yield ev("response.output_item.done", {"output_index": idx, "item": item})
-            items.append(item)
+            calls.append(e.call)  # streamed after the text: see the docstring
         elif isinstance(e, Finished):
             if not items and (open_item is None or open_item["kind"] == "reasoning") and not e.tool_calls:
                 for s in open_("text"):  # an empty answer is still one (empty) message
                     yield s
             for s in close():
                 yield s
+            for c in calls:
+                idx = len(items)
+                item = _call_item(c)
+                yield ev("response.output_item.added", {"output_index": idx,
+                                                        "item": item | {"arguments": "", "status": "in_progress"}})
+                yield ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx,
+                                                                     "delta": item["arguments"]})
+                yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
+                                                                    "arguments": item["arguments"]})
+                yield ev("response.output_item.done", {"output_index": idx, "item": item})
+                items.append(item)
             final = response(req, e, rid)
             final["output"] = items
             yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed",

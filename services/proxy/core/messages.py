@@ -51,7 +51,7 @@ class Msg:
     def canonical(self) -> bytes:
         """What the message means, as stable bytes (ids and hints left out)."""
         calls = [[c.name, _canon_args(c.arguments)] for c in self.tool_calls]
-        return orjson.dumps([self.role, self.content.strip(), calls], option=orjson.OPT_SORT_KEYS)
+        return canonical_json([self.role, self.content.strip(), calls])
 
     def template_dict(self) -> dict[str, Any]:
         """The message as HF chat templates expect it."""
@@ -84,12 +84,22 @@ class ToolSpec:
 def _maybe_json(s: str) -> Any:
     try:
         return json.loads(s)
-    except ValueError:
+    except (ValueError, RecursionError):
         return s
 
 
 def _canon_args(a: dict[str, Any] | str) -> Any:
     return _maybe_json(a) if isinstance(a, str) else a  # key order: OPT_SORT_KEYS in canonical()
+
+
+def canonical_json(value: Any) -> bytes:
+    """Compact JSON with sorted keys. orjson's, or, for what orjson refuses (an integer
+    beyond 64 bits, nesting deeper than 255), the standard library's in the same form
+    (they agree on ordinary values: strings, integers, plain decimals, nesting)."""
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except (TypeError, orjson.JSONEncodeError):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode()
 
 
 def tools_key(tools: list[ToolSpec]) -> str:

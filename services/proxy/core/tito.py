@@ -82,7 +82,8 @@ class Plan:
     drift: DriftClass
     hashes: tuple[bytes, ...]  # chain hashes of the request's messages (len = messages + 1)
     matched_messages: int  # how many request messages the reused prefix covers
-    suffix_offsets: tuple[int, ...]  # end offset (within new_ids) of each newly rendered message
+    suffix_offsets: tuple[int, ...]  # end offset (within new_ids) of each newly rendered message; -1: none
+    # (a tool result the template renders in one block with the next one)
     encoded_tokens: int  # tokens this plan tokenized (the proxy's own work)
 
     @property
@@ -95,9 +96,12 @@ class TemplateShape:
     """What a chat template adds around messages, measured once per (tools, system)."""
 
     base_msgs: list[Msg]
-    base_text: str
+    base_text: str  # the stand-in context's text as it renders when a next turn follows
+    last_text: str  # ... and as it renders when it ends the conversation
     generation_prompt: str
     reply_tail: str  # text after an assistant message's content (e.g. "<|im_end|>\n")
+    heads: dict[str, str] | None = None  # role -> header before a closing turn's content
+    groups_tools: bool = False  # consecutive tool results render as one block
 
 
 class Tito:
@@ -154,54 +158,153 @@ class Tito:
     # -- template shape ----------------------------------------------------------------
 
     def shape(self, tools: list[ToolSpec], system: Msg | None, tools_key: str) -> TemplateShape:
+        """Measure the template once per (tools, system).
+
+        A message's text is cut out of a render in which a *closing turn* (a sentinel
+        message) follows it, never one in which it is the last message: templates render a
+        last message differently (Qwen3 gives a last assistant message an empty think
+        block) and close a run of tool results only after its last one (Qwen2.5/3). The
+        closing turn's header is measured here; each cut falls where that header starts."""
         key = (tools_key, system.canonical() if system else "")
         found = self._shapes.get(key)
         if found is not None:
             return found
         r = self.renderer
         base = ([system] if system else []) + [Msg("user", "."), Msg("assistant", ".")]
-        base_text = r.render(base, tools, add_generation_prompt=False)
+        last_text = r.render(base, tools, add_generation_prompt=False)
         with_prompt = r.render(base, tools, add_generation_prompt=True)
-        gen_prompt = _suffix(base_text, with_prompt)
-        sample = r.render(base + [Msg("user", "."), Msg("assistant", SENTINEL)], tools, add_generation_prompt=False)
-        after = sample.rsplit(SENTINEL, 1)
-        if len(after) != 2:
+        gen_prompt = _suffix(last_text, with_prompt)
+        user, asst = Msg("user", SENTINEL), Msg("assistant", SENTINEL)
+        sample = r.render(base + [user, asst], tools, add_generation_prompt=False).split(SENTINEL)
+        if len(sample) != 3:
             raise TemplateError("the chat template dropped an assistant message's content")
-        shape = TemplateShape(base, base_text, gen_prompt, after[1])
+        reply_tail = sample[2]
+        shape = TemplateShape(base, last_text, last_text, gen_prompt, reply_tail)
+        heads = self._closing_heads(base, tools, sample)
+        if heads is not None:
+            shape.heads = heads
+            base_text = self._closed_text(shape, base, tools)
+            if base_text is None:
+                shape.heads = None
+            else:
+                shape.base_text = base_text
+                shape.groups_tools = self._groups_tools(shape, tools)
         self._shapes[key] = shape
         return shape
 
-    def message_texts(self, shape: TemplateShape, msgs: list[Msg], tools: list[ToolSpec]) -> list[str] | None:
+    def _closing_heads(self, base: list[Msg], tools: list[ToolSpec], sample: list[str]) -> dict[str, str] | None:
+        """The header a last user / last assistant message's content follows, or None when
+        it cannot be told apart from the footer before it."""
+        r = self.renderer
+        try:
+            one = r.render(base + [Msg("user", SENTINEL)], tools, add_generation_prompt=False).split(SENTINEL)
+            three = r.render(base + [Msg("user", SENTINEL), Msg("assistant", SENTINEL), Msg("user", SENTINEL)], tools,
+                             add_generation_prompt=False).split(SENTINEL)
+        except TemplateError:
+            return None
+        if len(one) != 2 or len(three) != 4:
+            return None
+        user_foot, asst_foot = one[1], sample[2]  # footers of a last user / assistant message
+        if not sample[1].startswith(user_foot) or not three[2].startswith(asst_foot):
+            return None
+        return {"assistant": sample[1][len(user_foot):], "user": three[2][len(asst_foot):]}
+
+    def _closed_text(self, shape: TemplateShape, ctx: list[Msg], tools: list[ToolSpec]) -> str | None:
+        """The text of ``ctx`` as it renders when a next turn follows: render it with a
+        closing turn (assistant after a user or tool message, user after an assistant, so
+        that roles alternate) and cut where that turn starts. None when the closing turn's
+        header is not where it should be."""
+        assert shape.heads is not None
+        role = "user" if ctx and ctx[-1].role == "assistant" else "assistant"
+        head = shape.heads[role]
+        try:
+            text = self.renderer.render(ctx + [Msg(role, SENTINEL)], tools, add_generation_prompt=False)
+        except TemplateError:
+            return None
+        at = text.rfind(SENTINEL)
+        if at < 0 or not text.endswith(head, 0, at):
+            return None
+        return text[: at - len(head)]
+
+    def _groups_tools(self, shape: TemplateShape, tools: list[ToolSpec]) -> bool:
+        """Whether the template renders a tool result differently when another follows
+        (one block for a run of results): then only a run's end is a message boundary."""
+        one = self._closed_text(shape, shape.base_msgs + [Msg("tool", SENTINEL)], tools)
+        two = self._closed_text(shape, shape.base_msgs + [Msg("tool", SENTINEL), Msg("tool", SENTINEL)], tools)
+        return one is not None and two is not None and not two.startswith(one)
+
+    def message_texts(self, shape: TemplateShape, msgs: list[Msg], tools: list[ToolSpec]) -> list[str | None] | None:
         """Each message's text as the template renders it after an ordinary turn, or None
-        when the template is not prefix-stable for these messages."""
-        texts, prev = [], shape.base_text
+        when the template is not prefix-stable for these messages. A tool result the
+        template renders in one block with the next has no text of its own (None): its
+        run's last result carries the whole block."""
+        if shape.heads is not None:
+            texts = self._closed_texts(shape, msgs, tools)
+            if texts is not None:
+                return texts
+        return self._last_texts(shape, msgs, tools)
+
+    def _closed_texts(self, shape: TemplateShape, msgs: list[Msg], tools: list[ToolSpec]) -> list[str | None] | None:
+        texts: list[str | None] = []
+        prev = shape.base_text
         for i in range(len(msgs)):
-            cur = self.renderer.render(shape.base_msgs + msgs[: i + 1], tools, add_generation_prompt=False)
+            if self._inside_run(shape, msgs, i + 1):
+                texts.append(None)
+                continue
+            cur = self._closed_text(shape, shape.base_msgs + msgs[: i + 1], tools)
+            if cur is None or not cur.startswith(prev):
+                return None
+            texts.append(cur[len(prev):])
+            prev = cur
+        return texts
+
+    def _last_texts(self, shape: TemplateShape, msgs: list[Msg], tools: list[ToolSpec]) -> list[str | None] | None:
+        """Fallback for templates whose closing turn cannot be measured: cut renders that
+        end on each message (works for templates that render a last message as any other)."""
+        texts: list[str | None] = []
+        prev = shape.last_text
+        for i in range(len(msgs)):
+            try:
+                cur = self.renderer.render(shape.base_msgs + msgs[: i + 1], tools, add_generation_prompt=False)
+            except TemplateError:  # a template that rejects the conversation says so on the full render
+                return None
             if not cur.startswith(prev):
                 return None
             texts.append(cur[len(prev):])
             prev = cur
         return texts
 
+    @staticmethod
+    def _inside_run(shape: TemplateShape, msgs: list[Msg], i: int) -> bool:
+        """Whether position i (after msgs[:i]) splits a run of tool results rendered as one block."""
+        return shape.groups_tools and 0 < i < len(msgs) and msgs[i - 1].role == "tool" and msgs[i].role == "tool"
+
     # -- matching ----------------------------------------------------------------------
 
     def plan(self, msgs: list[Msg], tools: list[ToolSpec], tools_key: str) -> Plan:
         hashes = chain_hashes(msgs, tools_key)
+        shape: TemplateShape | None = None
         for i in range(len(msgs), 0, -1):
             b = self.boundaries.get(hashes[i])
             if b is None:
                 continue
-            planned = self._plan_from(b, i, msgs, tools, tools_key, hashes)
-            if planned is not None:
-                if b.kind == "reply" and hashes[i] in self._continued:
-                    planned = replace(planned, drift=DriftClass.FORK)  # a second continuation: an edit
-                return planned
+            if shape is None:
+                system = msgs[0] if msgs[0].role == "system" else None
+                shape = self.shape(tools, system, tools_key)
+            if self._inside_run(shape, msgs, i):
+                continue  # the template renders msgs[i - 1] and msgs[i] as one block
+            planned = self._plan_from(b, i, msgs, tools, shape, hashes)
+            if planned is None:
+                # the template cannot render msgs[i:] message by message; every shorter
+                # boundary would render those same messages again: render all at once
+                break
+            if b.kind == "reply" and hashes[i] in self._continued:
+                planned = replace(planned, drift=DriftClass.FORK)  # a second continuation: an edit
+            return planned
         return self._plan_fresh(msgs, tools, hashes)
 
-    def _plan_from(self, b: Boundary, i: int, msgs: list[Msg], tools: list[ToolSpec], tools_key: str,
+    def _plan_from(self, b: Boundary, i: int, msgs: list[Msg], tools: list[ToolSpec], shape: TemplateShape,
                    hashes: list[bytes]) -> Plan | None:
-        system = msgs[0] if msgs and msgs[0].role == "system" else None
-        shape = self.shape(tools, system, tools_key)
         texts = self.message_texts(shape, msgs[i:], tools)
         if texts is None:
             return None
@@ -214,6 +317,9 @@ class Tito:
             new_ids.extend(g)
             encoded += len(g)
         for t in texts:
+            if t is None:  # rendered in one block with the next message: no boundary here
+                offsets.append(-1)
+                continue
             ids = enc(t)
             encoded += len(ids)
             new_ids.extend(ids)
@@ -253,6 +359,8 @@ class Tito:
             added.append((plan.hashes[n], Boundary(call_id, plan.suffix_offsets[-1], "input")))
         else:
             for j, end in enumerate(plan.suffix_offsets):
+                if end < 0:
+                    continue
                 h = plan.hashes[plan.matched_messages + j + 1]
                 added.append((h, Boundary(call_id, plan.prefix_len + end, "input")))
         reply_hash = extend_hash(plan.hashes[n], reply)
@@ -286,9 +394,13 @@ class Tito:
         tail = shape.reply_tail
         glue = tail[len(stop):] if stop and tail.startswith(stop) else tail
         before = shape.base_msgs + [Msg("user", ".")]
-        prev = self.renderer.render(before, tools, add_generation_prompt=False)
-        cur = self.renderer.render(before + [reply], tools, add_generation_prompt=False)
-        rendered = cur[len(prev):] if cur.startswith(prev) else None
+        if shape.heads is not None:  # the reply as it renders when the conversation goes on
+            prev = self._closed_text(shape, before, tools)
+            cur = self._closed_text(shape, before + [reply], tools)
+        else:
+            prev = self.renderer.render(before, tools, add_generation_prompt=False)
+            cur = self.renderer.render(before + [reply], tools, add_generation_prompt=False)
+        rendered = cur[len(prev):] if prev is not None and cur is not None and cur.startswith(prev) else None
         if rendered != shape.generation_prompt + generated + glue:
             return glue, DriftClass.TEMPLATE_DRIFT
         gp = self.renderer.encode(shape.generation_prompt)

@@ -6,6 +6,11 @@ whose JSON does not parse stays in the text (the model did write it), so nothing
 
 ``StreamParser`` does the same incrementally: it lets text through as it comes, holds
 back anything that may be the start of a tag, and hands out tool calls when they close.
+The text it lets through adds up to exactly ``content``, however the output is split into
+pieces: so a streaming client and a non-streaming one get (and send back) the same reply.
+Whitespace at the end of the text so far is held back until more text follows; at the end
+of a reply with tool calls it is dropped (the text between and after calls is kept, as the
+model wrote it), at the end of a reply without any it is shown.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ def new_call_id(prefix: str = "call") -> str:
 def _parse_call(body: str) -> ToolCall | None:
     try:
         obj = json.loads(body.strip())
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python parses
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -35,7 +40,7 @@ def _parse_call(body: str) -> ToolCall | None:
     if isinstance(args, str):
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     return ToolCall(new_call_id(), obj["name"], args if isinstance(args, (dict, str)) else {"value": args})
 
@@ -64,8 +69,17 @@ class StreamParser:
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""
-    _state: str = "start"  # start | think | text | call
+    _state: str = "start"  # start | think | after_think | text | call
     _call_body: str = ""
+    _ws: str = ""  # trailing whitespace of the text so far, not shown yet
+
+    def _show(self, chunk: str) -> str:
+        """Text to let through for ``chunk``: held whitespace goes out with the next text."""
+        text = self._ws + chunk
+        body = text.rstrip()
+        self._ws = text[len(body):]
+        self.content += body
+        return body
 
     def feed(self, delta: str) -> tuple[str, str]:
         """Add generated text; returns (new visible text, new thinking text)."""
@@ -78,8 +92,8 @@ class StreamParser:
                     self._buf = stripped[len(THINK_OPEN):]
                     self._state, self.reasoning = "think", ""
                     continue
-                if THINK_OPEN.startswith(stripped) and stripped:
-                    return out_text, out_think  # could still become <think>
+                if THINK_OPEN.startswith(stripped):
+                    return out_text, out_think  # could still become <think> (whitespace only: too)
                 self._state = "text"
                 continue
             if self._state == "think":
@@ -92,7 +106,13 @@ class StreamParser:
                 chunk = self._buf[:i]
                 self.reasoning = (self.reasoning or "") + chunk
                 out_think += chunk
-                self._buf = self._buf[i + len(THINK_CLOSE):].lstrip("\n")
+                self._buf = self._buf[i + len(THINK_CLOSE):]
+                self._state = "after_think"
+                continue
+            if self._state == "after_think":  # the newlines after </think> are the template's, not text
+                self._buf = self._buf.lstrip("\n")
+                if not self._buf:
+                    return out_text, out_think
                 self._state = "text"
                 continue
             if self._state == "text":
@@ -100,11 +120,8 @@ class StreamParser:
                 if i < 0:
                     keep = max([partial_tail(self._buf, CALL_OPEN)] + [_held(self._buf, s) for s in self.stop_texts])
                     chunk, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-                    self.content += chunk
-                    return out_text + chunk, out_think
-                chunk = self._buf[:i]
-                self.content += chunk
-                out_text += chunk
+                    return out_text + self._show(chunk), out_think
+                out_text += self._show(self._buf[:i])
                 self._buf = self._buf[i + len(CALL_OPEN):]
                 self._state, self._call_body = "call", ""
                 continue
@@ -116,9 +133,7 @@ class StreamParser:
             self._buf = self._buf[i + len(CALL_CLOSE):]
             call = _parse_call(body)
             if call is None:  # not a valid call: keep what the model wrote as text
-                raw = CALL_OPEN + body + CALL_CLOSE
-                self.content += raw
-                out_text += raw
+                out_text += self._show(CALL_OPEN + body + CALL_CLOSE)
             else:
                 self.tool_calls.append(call)
             self._state = "text"
@@ -140,12 +155,14 @@ class StreamParser:
         elif self._state == "think":
             self.reasoning = (self.reasoning or "") + rest
             think, rest = rest, ""
+        elif self._state == "after_think":
+            rest = rest.lstrip("\n")
         self._state = "text"
-        if self.tool_calls:
-            self.content = (self.content + rest).strip()
-            return rest, think
-        self.content += rest
-        return rest, think
+        out = self._show(rest)
+        if not self.tool_calls:  # a plain answer keeps its trailing whitespace
+            out, self.content, self._ws = out + self._ws, self.content + self._ws, ""
+        self._ws = ""
+        return out, think
 
 
 def _held(buf: str, stop: str) -> int:
