@@ -33,6 +33,7 @@ from libs.common.transfer.kv import MigrationResult, fetch_kv, migrate_session, 
 from libs.common.transfer.port import PeerDescriptor, TransferAgent, TransferFailed
 
 from .client import CellError, EngineClient
+from .engine import MemoryReleased
 from .engine import Engine
 from .http_body import json_body
 from .params import InvalidRequest
@@ -91,6 +92,8 @@ class KVPort:
         engine = self.engine
 
         def apply() -> int:
+            if "kv_cache" in engine.released:  # the cell went to training meanwhile
+                raise MemoryReleased("the KV cache's memory is released; resume it before importing a prefix")
             if engine.weight_version != peer.meta.get("weight_version"):  # an update landed meanwhile
                 raise InvalidRequest("weight version changed during the transfer; KV not imported")
             try:
@@ -109,6 +112,8 @@ class KVPort:
 
     def _check(self, peer: PeerDescriptor) -> None:
         meta, engine = peer.meta, self.engine
+        if "kv_cache" in engine.released:  # as the HTTP import: a cell lent to training takes no KV
+            raise MemoryReleased("the KV cache's memory is released; resume it before importing a prefix")
         if peer.backend != self.agent.backend:
             raise InvalidRequest(f"offer is on {peer.backend}, this cell's transfer agent is {self.agent.backend}")
         if meta.get("weight_version") != engine.weight_version:

@@ -5,7 +5,9 @@ The scheduler drives these (through its NATS commands in the live system, or HTT
 - ``POST /admin/cells/{name}/drain`` ``{"timeout_s"}``: no new sessions; waits (bounded)
   for calls in flight; answers with the sessions still pinned there, to be moved;
 - ``POST /admin/cells/{name}/evacuate`` ``{"timeout_s", "migrate"}``: drain, then move every
-  session to another cell with its KV cache (``migration.py``), one ``SessionRerouted`` each;
+  session to another cell with its KV cache (``migration.py``), one ``SessionRerouted`` each
+  (none when calls outlast the drain: the switch then rolls back and the sessions stay; a
+  session a new turn took elsewhere meanwhile stays where it went);
 - ``POST /admin/cells/{name}/activate``, ``DELETE /admin/cells/{name}``;
 - ``POST /admin/sessions/move`` ``{"session", "to_cell"}``: the session's next call goes
   to ``to_cell`` (KV migration, when wanted, is the scheduler's step before this);

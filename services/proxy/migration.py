@@ -83,8 +83,13 @@ async def evacuate(service: Any, cell: str, *, timeout_s: float = 30.0, migrate:
     start = time.monotonic()
     left = await drain(router, cell, timeout_s)
     out = Evacuation(cell, left == 0, left, 0.0)
+    if left:  # calls still running: the switch fails and rolls back, so its sessions stay
+        out.seconds = time.monotonic() - start
+        return out
     mover = mover or HttpKvMover()
     for session in router.sessions_on(cell):
+        if router.sessions.get(session) != cell:  # a new turn already took it elsewhere meanwhile
+            continue
         out.moves.append(await _move_one(service, session, cell, migrate, mover))
     out.seconds = time.monotonic() - start
     return out

@@ -39,3 +39,16 @@ async def test_offer_labels_kv_with_the_version_read_with_the_export(http, share
     await port.offer(PROMPT)
     assert offered["tokens"] == offered["kv_tokens"] > 0
     assert offered["version"] == "old"
+
+
+def test_a_cell_whose_kv_memory_is_released_takes_no_kv_by_the_port():
+    """As the HTTP import: a cell lent to training (its KV cache released) refuses a
+    session's KV before anything is transferred."""
+    import pytest
+
+    from services.engine.engine import MemoryReleased
+
+    engine = SimpleNamespace(released={"kv_cache"}, weight_version="0")
+    port = kv_port.KVPort(engine, agent=SimpleNamespace(backend="fake", endpoint="fake"))
+    with pytest.raises(MemoryReleased, match="released"):
+        port._check(SimpleNamespace(backend="fake", meta={"weight_version": "0", "token_ids": [1, 2]}))
