@@ -77,10 +77,10 @@ async def test_a_failed_checkpoint_write_stops_the_core_and_a_restart_trains_the
 
     save = core_module.save_checkpoint
 
-    def disk_full(folder, state, weights, optimizer):
+    def disk_full(folder, state, weights, optimizer, **kw):
         if state.step == 1:
             raise OSError(28, "No space left on device")
-        return save(folder, state, weights, optimizer)
+        return save(folder, state, weights, optimizer, **kw)
 
     monkeypatch.setattr(core_module, "save_checkpoint", disk_full)
     blobs = MemoryBlobStore()
