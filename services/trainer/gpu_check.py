@@ -62,28 +62,35 @@ def _step(report: dict, name: str, fn, out: str) -> None:
     print(json.dumps({name: {k: v for k, v in report[name].items() if k != "trace"}})[:3000], flush=True)
 
 
+def _tiny_models(backend_name: str, device: str):
+    """(config, the torch reference, the model under test): the same tiny checkpoint in
+    the named backend (the reference itself for ``torch``), on ``device``."""
+    from .backends.torch_hf import TinyModelConfig, TorchBackend
+
+    cfg = TinyModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=256)
+    ref = TorchBackend.tiny(cfg)
+    ref.model.to(device)
+    if backend_name != "megatron":
+        return cfg, ref, ref
+    from .backends.megatron import MegatronBackend
+
+    model = MegatronBackend(cfg)
+    model.load_hf_state_dict({k: v.cpu() for k, v in ref.hf_state_dict().items()})
+    model.model.to(device)
+    return cfg, ref, model
+
+
 def _equality(backend_name: str, mode: str, device: str) -> dict:
     import torch
 
     from services.trajectory.bench import packed_samples
 
     from .attention import AttentionConfig
-    from .backends.torch_hf import TinyModelConfig, TorchBackend
     from .batch import branch_batch, tree_batch
     from .bench import _fold
     from .step import TrainConfig, compute_micro_step
 
-    cfg = TinyModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=256)
-    ref = TorchBackend.tiny(cfg)
-    ref.model.to(device)
-    if backend_name == "megatron":
-        from .backends.megatron import MegatronBackend
-
-        model = MegatronBackend(cfg)
-        model.load_hf_state_dict({k: v.cpu() for k, v in ref.hf_state_dict().items()})
-        model.model.to(device)
-    else:
-        model = ref
+    cfg, ref, model = _tiny_models(backend_name, device)
     samples = [(_fold(p, cfg.vocab_size), 1.0 - 2.0 * (i % 2)) for i, p in enumerate(packed_samples("small"))]
     config = TrainConfig(attention=AttentionConfig(mode=mode, block_size=128))
     tree = compute_micro_step(model, tree_batch(samples), config)
@@ -109,21 +116,11 @@ def _flex_series(device: str, backend_name: str = "torch", steps: int = 12) -> d
     from services.trajectory.bench import packed_samples
 
     from .attention import AttentionConfig
-    from .backends.torch_hf import TinyModelConfig, TorchBackend
     from .batch import tree_batch
     from .bench import _fold
     from .step import TrainConfig, compute_micro_step
 
-    cfg = TinyModelConfig(vocab_size=4096, hidden_size=128, intermediate_size=256)
-    model = TorchBackend.tiny(cfg)
-    model.model.to(device)
-    if backend_name == "megatron":
-        from .backends.megatron import MegatronBackend
-
-        meg = MegatronBackend(cfg)
-        meg.load_hf_state_dict({k: v.cpu() for k, v in model.hf_state_dict().items()})
-        meg.model.to(device)
-        model = meg
+    cfg, _, model = _tiny_models(backend_name, device)
     config = TrainConfig(attention=AttentionConfig(mode="flex", block_size=128))
     sizes, times = [], []
     for i in range(steps):
