@@ -15,7 +15,7 @@ from pathlib import Path
 
 # The evaluator's deletion, which makes read-only folders (Go's module cache, a test's
 # chmod) writable first: plain rmtree leaves them behind for a non-root runner.
-from services.evaluator.adapters.workspace import remove_tree
+from libs.common.fs import remove_tree
 
 log = logging.getLogger(__name__)
 
