@@ -242,6 +242,9 @@ class Engine:
                 if command is None:
                     continue
                 self._execute(*command)
+                # dropped now: it holds its future and so its result (exported KV, say) alive
+                # until the next command would replace it
+                command = None
                 self._drain_commands()
             if self.scheduler.has_work():
                 try:

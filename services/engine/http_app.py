@@ -57,7 +57,7 @@ def create_app(settings: EngineSettings, *, engine: Engine, weights: WeightManag
     # agent opens on first use, so cells that never migrate pay nothing.
     from . import kv_port, weights_port
 
-    app.state.kv_port = kv_port.KVPort(engine)
+    app.state.kv_port = kv_port.KVPort(engine, offer_ttl_s=settings.kv_offer_ttl_s)
     kv_port.add_routes(app, app.state.kv_port, admin)
     weights_port.add_routes(app, weights, lambda: app.state.kv_port.agent, admin)
     return app

@@ -8,8 +8,18 @@ Routes (admin token like the other control endpoints):
 - ``POST /gyre/kv/port/fetch {"offer", "verify"?, "timeout_s"?}``: pulls an offer from
   another cell and, once every block arrived (and verified), imports it into this cell's
   prefix cache; refuses KV of another weight version or shape before moving a byte.
-- ``POST /gyre/kv/port/release {"lease"}``: the source drops an offer (offers also expire
-  after ``OFFER_TTL_S``).
+- ``POST /gyre/kv/port/release {"lease"}``: the source drops an offer.
+
+An offer pins its KV (registered with the transfer agent) until it is released or, when the
+release never comes (a scheduler that died between offer and release, a lost request), until
+its time to live passes (``offer_ttl_s``, default ``OFFER_TTL_S``): each offer arms a timer on
+the serving event loop that drops it then, so its memory is freed on time whether or not
+another offer follows (a sweep on every offer also catches one whose loop has gone). The
+offer's ``meta`` says when it expires (``expires_at``, wall clock, and ``ttl_s``); a fetch
+of an expired offer is refused before a byte moves, and one whose offer expired while it
+was read imports nothing (the source may have freed those blocks mid-read): both answer a
+400 naming the expired lease (wall clocks of the two cells are assumed to agree to well
+within the TTL).
 
 The agent is this process's embedded default (``libs.common.transfer.default``), opened
 on first use. ``attach(service)`` adds the routes to a built engine service;
@@ -22,6 +32,7 @@ the proxy's ``evacuate`` (``service.kv_mover``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from typing import Any
@@ -38,16 +49,27 @@ from .engine import Engine
 from .http_body import json_body
 from .params import InvalidRequest
 
+log = logging.getLogger(__name__)
+
 OFFER_TTL_S = 300.0
+
+
+class OfferExpired(InvalidRequest):
+    """A fetch of an offer whose time to live has passed: its KV is (or may be) freed."""
 
 
 class KVPort:
     """One engine's side of port migration: its agent and its open offers."""
 
-    def __init__(self, engine: Engine, agent: TransferAgent | None = None) -> None:
+    def __init__(self, engine: Engine, agent: TransferAgent | None = None, *,
+                 offer_ttl_s: float = OFFER_TTL_S) -> None:
+        if not offer_ttl_s > 0:
+            raise ValueError(f"offer_ttl_s must be positive, not {offer_ttl_s!r}")
         self.engine = engine
+        self.offer_ttl_s = float(offer_ttl_s)
         self._agent = agent
-        self._offers: dict[str, float] = {}  # lease -> expiry (monotonic)
+        # lease -> (expiry on time.monotonic(), the timer that drops it then, or None)
+        self._offers: dict[str, tuple[float, asyncio.TimerHandle | None]] = {}
         self._lock = threading.Lock()
 
     def use_agent(self, agent: TransferAgent) -> None:
@@ -69,16 +91,32 @@ class KVPort:
         engine = self.engine
         # the version is read in the same engine-thread command as the KV: an update landing
         # between the two would otherwise label old KV with the new version
-        matched, kv, version = await engine.acall(
-            lambda: (*engine.prefix_cache.export(input_ids), engine.weight_version))
+        # (handed back through a box emptied here, not as the command's result: the engine
+        # thread keeps its last command, result included, until the next one comes, which
+        # would keep the KV alive after the offer is released or expired)
+        box: list = []
+        await engine.acall(lambda: box.append((*engine.prefix_cache.export(input_ids), engine.weight_version)))
+        matched, kv, version = box.pop()
         if matched == 0:
             return PeerDescriptor(self.agent.backend, self.agent.endpoint,
                                   meta={"kind": "kv", "lease": None, "token_ids": []}).to_json()
         desc = await asyncio.to_thread(offer_kv, self.agent, kv, input_ids[:matched],
                                        weight_version=version, checksums=checksums)
+        lease, ttl = desc.meta["lease"], self.offer_ttl_s
+        deadline = time.monotonic() + ttl
+        # armed after the deadline is taken, so it never fires before it
+        timer = asyncio.get_running_loop().call_later(ttl, self._timed_out, lease)
         with self._lock:
-            self._offers[desc.meta["lease"]] = time.monotonic() + OFFER_TTL_S
-        return desc.to_json()
+            self._offers[lease] = (deadline, timer)
+        out = desc.to_json()
+        out["meta"].update(ttl_s=ttl, expires_at=time.time() + ttl)
+        return out
+
+    @property
+    def open_leases(self) -> list[str]:
+        """The offers not yet released or expired (their KV is pinned)."""
+        with self._lock:
+            return list(self._offers)
 
     async def fetch(self, offer: dict[str, Any], verify: bool | None = None, timeout_s: float = 60.0) -> dict:
         peer = PeerDescriptor.from_json(offer)
@@ -87,7 +125,15 @@ class KVPort:
             return {"success": True, "added_tokens": 0, "tokens": 0, "bytes": 0, "backend": peer.backend}
         self._check(peer)
         started = time.perf_counter()
-        ids, kv = await asyncio.to_thread(fetch_kv, self.agent, peer, verify=verify, timeout_s=timeout_s)
+        try:
+            ids, kv = await asyncio.to_thread(fetch_kv, self.agent, peer, verify=verify, timeout_s=timeout_s)
+        except Exception as exc:
+            if _expired(peer):  # the likely cause: the source dropped the blocks
+                raise OfferExpired(f"{_expiry_text(peer)} while it was read ({type(exc).__name__}: {exc}); "
+                                   "nothing imported") from None
+            raise
+        if _expired(peer):  # the source may have freed (and reused) the blocks mid-read
+            raise OfferExpired(f"{_expiry_text(peer)} while it was read; nothing imported")
         moved = time.perf_counter() - started
         engine = self.engine
 
@@ -107,11 +153,38 @@ class KVPort:
 
     def release(self, lease: str) -> bool:
         with self._lock:
-            self._offers.pop(lease, None)
+            _, timer = self._offers.pop(lease, (None, None))
+        if timer is not None:
+            timer.cancel()
+        self._expire()
         return release_kv(self.agent, lease)
+
+    def close(self) -> None:
+        """Drops every open offer (the service is stopping)."""
+        with self._lock:
+            leases = list(self._offers)
+        for lease in leases:
+            self.release(lease)
+
+    def _timed_out(self, lease: str) -> None:
+        """The offer's timer (on the serving loop): drops it unless released meanwhile."""
+        with self._lock:
+            if self._offers.pop(lease, None) is None:
+                return
+        try:
+            dropped = release_kv(self.agent, lease)
+        except Exception as exc:  # a timer callback must not raise into the loop
+            log.warning("kv port: dropping expired offer %s failed: %r", lease, exc)
+            return
+        if dropped:
+            log.info("kv port: offer %s expired after %g s without a release; its KV is freed",
+                     lease, self.offer_ttl_s)
 
     def _check(self, peer: PeerDescriptor) -> None:
         meta, engine = peer.meta, self.engine
+        if _expired(peer):  # before anything else: nothing to move
+            raise OfferExpired(f"{_expiry_text(peer)}; its KV is no longer held, nothing imported "
+                               "(ask the source for a new offer)")
         if "kv_cache" in engine.released:  # as the HTTP import: a cell lent to training takes no KV
             raise MemoryReleased("the KV cache's memory is released; resume it before importing a prefix")
         if peer.backend != self.agent.backend:
@@ -125,11 +198,29 @@ class KVPort:
             raise InvalidRequest(f"KV must be float32 {expected}, offer is {meta.get('dtype')} {meta.get('shape')}")
 
     def _expire(self) -> None:
+        """Drops offers past their deadline whose timer did not (its loop is gone)."""
         now = time.monotonic()
         with self._lock:
-            stale = [lease for lease, until in self._offers.items() if until < now]
+            stale = [lease for lease, (until, _) in self._offers.items() if until < now]
         for lease in stale:
-            self.release(lease)
+            self._timed_out(lease)
+
+
+def _expired(peer: PeerDescriptor) -> bool:
+    """Whether the offer's ``expires_at`` (the source's wall clock) has passed."""
+    expires_at = peer.meta.get("expires_at")
+    try:
+        return expires_at is not None and time.time() >= float(expires_at)
+    except (TypeError, ValueError):
+        return False
+
+
+def _expiry_text(peer: PeerDescriptor) -> str:
+    meta = peer.meta
+    ago = time.time() - float(meta["expires_at"])
+    ttl = meta.get("ttl_s")
+    kept = f" (offers are kept {ttl:g} s)" if isinstance(ttl, (int, float)) else ""
+    return f"KV offer {meta.get('lease')!r} expired {ago:.1f} s ago{kept}"
 
 
 def add_routes(app: FastAPI, port: KVPort, admin) -> None:
@@ -173,7 +264,8 @@ def attach(service, agent: TransferAgent | None = None) -> KVPort:
         service.kv_port = existing
         return existing
     guard = getattr(http_app, "admin_guard", None) or http_app._admin_guard
-    port = KVPort(service.engine, agent)
+    port = KVPort(service.engine, agent,
+                  offer_ttl_s=getattr(service.settings, "kv_offer_ttl_s", None) or OFFER_TTL_S)
     admin = Depends(guard(service.settings))
     add_routes(service.app, port, admin)
     weights_port.add_routes(service.app, service.weights, lambda: port.agent, admin)

@@ -26,6 +26,12 @@ class EngineService:
     app: FastAPI
 
     def close(self) -> None:
+        port = getattr(self.app.state, "kv_port", None)
+        if port is not None:  # open KV offers are dropped (their leases unregistered)
+            try:
+                port.close()
+            except Exception as exc:
+                log.warning("engine: dropping open KV offers at close failed: %r", exc)
         self.engine.stop()
 
 

@@ -32,3 +32,5 @@ class EngineSettings(BaseSettings):
     # requests and applies it once the running ones finish; "reject" refuses it (400, nothing
     # applied). Idle or paused engines apply at once in both modes (README, weight updates).
     weight_update_mode: Literal["wait", "reject"] = "wait"
+    # a KV port offer (session migration) not released within this is dropped, its KV freed
+    kv_offer_ttl_s: float = Field(default=300.0, gt=0)

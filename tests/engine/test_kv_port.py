@@ -52,3 +52,130 @@ def test_a_cell_whose_kv_memory_is_released_takes_no_kv_by_the_port():
     port = kv_port.KVPort(engine, agent=SimpleNamespace(backend="fake", endpoint="fake"))
     with pytest.raises(MemoryReleased, match="released"):
         port._check(SimpleNamespace(backend="fake", meta={"weight_version": "0", "token_ids": [1, 2]}))
+
+
+# -- offers' time to live: a lost release must not pin KV for good ----------------------------
+
+
+async def _cached(http, prompt: list[int]) -> None:
+    out = await http.post("/generate", json={"input_ids": prompt,
+                                             "sampling_params": {"max_new_tokens": 2, "temperature": 0}})
+    assert out.status_code == 200
+
+
+async def _until(condition, timeout_s: float = 5.0) -> None:
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+
+
+async def test_an_offer_never_released_frees_its_kv_after_the_ttl_with_no_other_offer(http, shared_service):
+    import gc
+    import weakref
+
+    from tests.engine._fakes import LoopbackAgent
+
+    await _cached(http, PROMPT)
+    agent = LoopbackAgent()
+    port = kv_port.KVPort(shared_service.engine, agent, offer_ttl_s=0.2)
+    offer = await port.offer(PROMPT)
+    lease = offer["meta"]["lease"]
+    assert offer["meta"]["token_ids"] and offer["meta"]["ttl_s"] == 0.2
+    pinned = weakref.ref(agent.held(lease))
+    assert port.open_leases == [lease] and lease in agent.names()
+    await _until(lambda: lease not in agent.names())  # no release, no new offer: only the clock
+    assert lease not in agent.names() and port.open_leases == []
+    gc.collect()
+    assert pinned() is None, "the expired offer's KV is still referenced"
+    assert port.release(lease) is False  # a late release finds nothing (and does not fail)
+    agent.close()
+
+
+async def test_a_fetch_of_an_expired_offer_is_refused_naming_the_lease(http, shared_service):
+    import pytest
+
+    from tests.engine._fakes import LoopbackAgent
+
+    await _cached(http, PROMPT)
+    source, target = LoopbackAgent(), LoopbackAgent()
+    src = kv_port.KVPort(shared_service.engine, source, offer_ttl_s=0.1)
+    dst = kv_port.KVPort(shared_service.engine, target)
+    offer = await src.offer(PROMPT)
+    lease = offer["meta"]["lease"]
+    await _until(lambda: lease not in source.names())
+    with pytest.raises(kv_port.OfferExpired, match=rf"offer '{lease}' expired .*kept 0.1 s.*nothing imported"):
+        await dst.fetch(offer)
+    assert target.names() == []  # no staging region was even registered
+    source.close(), target.close()
+
+
+async def test_a_live_offer_is_fetched_and_a_release_cancels_its_expiry(http, shared_service):
+    import asyncio
+
+    from tests.engine._fakes import LoopbackAgent
+
+    await _cached(http, PROMPT)
+    source, target = LoopbackAgent(), LoopbackAgent()
+    src = kv_port.KVPort(shared_service.engine, source, offer_ttl_s=0.3)
+    dst = kv_port.KVPort(shared_service.engine, target)
+    offer = await src.offer(PROMPT)
+    lease = offer["meta"]["lease"]
+    answer = await dst.fetch(offer)
+    assert answer["success"] and answer["tokens"] == len(offer["meta"]["token_ids"]) > 0
+    assert src.release(lease) is True and src.open_leases == [] and source.names() == []
+    await asyncio.sleep(0.4)  # the cancelled timer does not run (it would log a failed drop)
+    assert src.release(lease) is False
+    source.close(), target.close()
+
+
+async def test_an_offer_whose_timer_never_ran_is_swept_by_the_next_call(http, shared_service):
+    """The timer lives on the loop that served the offer; if that loop is gone, the next
+    offer or release drops what is past its deadline."""
+    import time
+
+    from tests.engine._fakes import LoopbackAgent
+
+    await _cached(http, PROMPT)
+    agent = LoopbackAgent()
+    port = kv_port.KVPort(shared_service.engine, agent, offer_ttl_s=60)
+    lease = (await port.offer(PROMPT))["meta"]["lease"]
+    _, timer = port._offers[lease]
+    timer.cancel()  # as if its loop had closed
+    port._offers[lease] = (time.monotonic() - 1, None)
+    port.release("some-other-lease")
+    assert port.open_leases == [] and agent.names() == []
+    agent.close()
+
+
+def test_a_port_closes_its_open_offers_and_refuses_a_ttl_that_is_not_positive():
+    import numpy as np
+    import pytest
+
+    from tests.engine._fakes import LoopbackAgent
+
+    agent = LoopbackAgent()
+    port = kv_port.KVPort(SimpleNamespace(), agent)
+    agent.register("kv-x", np.zeros(8, dtype=np.uint8))
+    port._offers["kv-x"] = (float("inf"), None)
+    port.close()
+    assert port.open_leases == [] and agent.names() == []
+    with pytest.raises(ValueError, match="positive"):
+        kv_port.KVPort(SimpleNamespace(), agent, offer_ttl_s=0)
+    agent.close()
+
+
+async def test_the_fetch_route_answers_an_expired_offer_with_a_400_naming_it(http):
+    """What a target cell's caller sees: a clear 400 (not a transfer error), and the
+    cell's transfer agent is not even opened."""
+    import time
+
+    offer = {"backend": "ucx", "endpoint": "10.0.0.9:4000", "regions": [],
+             "meta": {"kind": "kv", "lease": "kv-7-1", "token_ids": [1, 2, 3], "ttl_s": 300.0,
+                      "expires_at": time.time() - 5, "weight_version": "0"}}
+    out = await http.post("/gyre/kv/port/fetch", json={"offer": offer})
+    assert out.status_code == 400
+    message = out.json()["message"]
+    assert "KV offer 'kv-7-1' expired" in message and "kept 300 s" in message and "nothing imported" in message

@@ -279,6 +279,18 @@ async def _failures(backend: str) -> dict:
         r["stale_next_call_cached"] = after["meta_info"]["cached_tokens"]
         r["stale_next_call_tokens"] = len(after["output_ids"])
         r.update(await _weights_into_cell(source, target, src_port.agent, b))
+
+        # an offer nobody releases: its timer drops it (the real library's region with it)
+        # with no other offer, and a fetch that comes later is refused before a byte moves
+        src_port.offer_ttl_s = 0.5
+        expiring = await a.kv_offer(history)
+        lease = PeerDescriptor.from_json(expiring).meta["lease"]
+        r["expiring_registered"] = lease in src_port.agent.names()
+        await asyncio.sleep(1.5)
+        r["expired_left"] = [n for n in src_port.agent.names() if n == lease] + src_port.open_leases
+        before = target.engine.prefix_cache.cached_tokens
+        r["expired_fetch"] = await _error_async(b.kv_fetch(expiring))
+        r["expired_imported_tokens"] = target.engine.prefix_cache.cached_tokens - before
     finally:
         for c in (a, b):
             await c.aclose()

@@ -58,3 +58,10 @@ def test_proxy_evacuation_hook_moves_kv_through_the_port():
     # by now the source has computed the whole history (the turn included it), so all of it moves
     assert r["mover_path"] == "mooncake" and r["mover_tokens"] == r["history_tokens"]
     assert r["mover_cached"] == r["mover_tokens"] and r["mover_logprobs_identical"]
+
+
+def test_an_offer_never_released_expires_on_time_and_a_later_fetch_is_refused():
+    r = scenario("failures", "ucx")
+    assert r["expiring_registered"] and r["expired_left"] == []
+    assert "expired" in r["expired_fetch"] and "nothing imported" in r["expired_fetch"]
+    assert r["expired_imported_tokens"] == 0
