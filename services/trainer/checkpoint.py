@@ -30,6 +30,9 @@ class TrainerState:
     # the StepApplied of the step just applied, written with the checkpoint before it is
     # published: a core killed in between publishes it on restart (if the log lacks it)
     pending_applied: dict | None = None
+    # weight blobs of versions below this are deleted (keep_weights), so a restart does not
+    # look at them again
+    weights_pruned_below: int = 0
 
 
 def save_checkpoint(folder: Path, state: TrainerState, weights: dict[str, torch.Tensor],

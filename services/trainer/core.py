@@ -11,6 +11,14 @@ the new weights (blob + ``WeightsPublished``, then to the inference cells), and 
 a checkpoint with the consumed training-stream position. Step ``s`` always trains on
 weight version ``s``: a skipped update still moves the version on (same weights).
 
+Weight blobs: every version's weights go to the blob store (a whole model each), named by
+its ``WeightsPublished``. Only the newest ``keep_weights`` published versions (default
+:data:`DEFAULT_KEEP_WEIGHTS`, at least 2; None keeps all) keep their blob: what reads them
+is a cell resuming or joining (the newest ``WeightsPublished``'s version) and an inference
+cell one version behind; replay reads checkpoints, not these. Older ones are deleted once
+a newer ``WeightsPublished`` is in the log, a blob shared by a kept version (a skipped
+step republishes the same bytes) never; a restarted core finds the older ones in the log.
+
 A step's size: ``MicroStepQueued.micro_steps_in_step`` when set, else every micro-step
 of ``groups_per_step`` groups, each read in full: ``MicroStepQueued.group_micro_steps``
 and ``GroupQueued`` say how many micro-steps a group has (``GroupQueued`` also settles a
@@ -45,6 +53,12 @@ from .worker import load_samples, objective_key, result_from_done
 log = logging.getLogger(__name__)
 Publisher = Callable[[int, dict[str, torch.Tensor]], Awaitable[list[str]]]
 
+# newest published weight versions whose blobs are kept: the newest (what a cell resuming
+# or joining pulls), the one before (an inference cell may lag one version behind), and
+# one more for a reader that looked up the newest event just before two publications
+DEFAULT_KEEP_WEIGHTS = 3
+MIN_KEEP_WEIGHTS = 2
+
 
 @dataclass(frozen=True)
 class CoreSettings:
@@ -55,6 +69,12 @@ class CoreSettings:
     groups_per_step: int | None = None
     max_staleness: int | None = None  # as the workers': a micro-step computed here refuses the same samples
     keep_checkpoints: int | None = None  # newest checkpoints kept (None: all; replay of step N needs step N's)
+    keep_weights: int | None = DEFAULT_KEEP_WEIGHTS  # newest published weight blobs kept (None: all; >= 2)
+
+    def __post_init__(self) -> None:
+        if self.keep_weights is not None and self.keep_weights < MIN_KEEP_WEIGHTS:
+            raise ValueError(f"keep_weights must be at least {MIN_KEEP_WEIGHTS} (the newest published version "
+                             f"and the one before it), not {self.keep_weights}")
 
 
 @dataclass
@@ -80,6 +100,9 @@ class CoreTrainer:
         # it: deleted once the step is in a checkpoint (a full fp32 gradient each, which the
         # blob store would otherwise keep for good); a restart before that reads them again
         self._spent: dict[int, set[str]] = {}
+        # (version, weights digest) of each WeightsPublished whose blob is not deleted yet,
+        # oldest first (insertion order), one entry per pair
+        self._weight_blobs: dict[tuple[int, str], None] = {}
 
     # -------------------------------------------------------------------- start / resume
     async def start(self) -> None:
@@ -97,6 +120,7 @@ class CoreTrainer:
         self.plans = {}
         self._spent = {}
         self.reducer = StepReducer(self.state.step, self.state.weight_version)
+        self._weight_blobs = await self._published_weight_blobs()
         await self._publish_pending()  # killed between its checkpoint and publishing it
         await self._publish_weights(cause=None)
 
@@ -321,6 +345,51 @@ class CoreTrainer:
         envelope["event_id"] = _event_id(self.settings.run_id, "WeightsPublished", self.state.weight_version)
         await self.bus.publish(WeightsPublished(**envelope, weight_version=self.state.weight_version,
                                                 target_cells=targets, checkpoint_digest=digest))
+        await self._delete_old_weights(self.state.weight_version, digest)
+
+    def _weights_subject(self) -> str:
+        return f"gyre.{self.settings.run_id}.{Context.TRAINING.value}.{WeightsPublished.TYPE}"
+
+    async def _published_weight_blobs(self) -> dict[tuple[int, str], None]:
+        """The weight blobs the log names that may still exist: those of versions from the
+        checkpoint's ``weights_pruned_below`` on (older ones were deleted before)."""
+        if self.settings.keep_weights is None:
+            return {}
+        found: dict[tuple[int, str], None] = {}
+        async for d in self.bus.read(Context.TRAINING, filter_subject=self._weights_subject()):
+            ev = d.event
+            if (isinstance(ev, WeightsPublished) and ev.checkpoint_digest
+                    and ev.weight_version >= self.state.weights_pruned_below):
+                _note(found, (ev.weight_version, ev.checkpoint_digest))
+        return found
+
+    async def _delete_old_weights(self, version: int, digest: str) -> None:
+        """Called once the WeightsPublished of ``version`` is in the log: deletes the blobs
+        of all but the newest ``keep_weights`` published versions (never one that a kept
+        version's blob also is). A failed delete costs space, not correctness."""
+        keep = self.settings.keep_weights
+        if keep is None:
+            return
+        _note(self._weight_blobs, (version, digest))
+        if len(self._weight_blobs) <= keep:
+            return
+        entries = list(self._weight_blobs)
+        old, kept = entries[:-keep], entries[-keep:]
+        self._weight_blobs = dict.fromkeys(kept)
+        self.state.weights_pruned_below = max(self.state.weights_pruned_below, min(v for v, _ in kept))
+        delete = getattr(self.blobs, "delete", None)
+        if delete is None:
+            return
+        done = {d for _, d in kept}
+        for old_version, old_digest in old:
+            if old_digest in done:
+                continue
+            done.add(old_digest)
+            try:
+                await delete(old_digest)
+            except Exception as exc:
+                log.warning("core: could not delete the weights blob %s of v%d: %r", old_digest[:12],
+                            old_version, exc)
 
 
 class CoreWeightSource:
@@ -336,6 +405,12 @@ class CoreWeightSource:
         if version != self.core.state.weight_version:
             raise LookupError(f"the core holds v{self.core.state.weight_version}, not v{version}")
         return {k: v.clone() for k, v in self.core.backend.hf_state_dict().items()}
+
+
+def _note(entries: dict[tuple[int, str], None], entry: tuple[int, str]) -> None:
+    """Moves ``entry`` to the end of ``entries`` (the newest), once."""
+    entries.pop(entry, None)
+    entries[entry] = None
 
 
 def _without_transfer(ev: MicroStepDone) -> MicroStepDone:

@@ -5,7 +5,11 @@ line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
 ``megatron``), ``model`` (an HF folder or ``tiny-qwen``), ``tp``, ``lr``, ``eps_low``,
 ``eps_high``, ``tis_cap``, ``kl_coef``, ``max_grad_norm``, ``groups_per_step``,
 ``checkpoint_dir``, ``keep_checkpoints`` (the newest N checkpoints kept; default all, which
-``gyre replay --step`` of any step needs), ``max_staleness``, ``ack_wait_s``, ``transfer`` (``blob`` |
+``gyre replay --step`` of any step needs), ``keep_weights`` (the newest N published weight
+versions whose blobs, and disk-mode folders, are kept; default 3, at least 2: the newest
+``WeightsPublished``'s version, which a resuming or joining cell pulls, and the one before,
+which a lagging inference cell may still use; ``all`` (or 0) keeps every version; replay
+reads checkpoints, not these), ``max_staleness``, ``ack_wait_s``, ``transfer`` (``blob`` |
 ``port``: how satellites send gradients; the core reads either), ``publish_to``
 (``cell=url,cell=url``: inference cells to publish weights to), ``publish_mode``
 (``tensor`` | ``disk``), ``publish_pause`` (``none`` | ``in_place``: pause generation
@@ -40,7 +44,8 @@ def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
     loss, trainer = config.get("loss") or {}, config.get("trainer") or {}
     pairs = {"backend": trainer.get("backend"), "lr": trainer.get("lr"), "max_staleness": trainer.get("staleness"),
              "eps_low": loss.get("clip_low"), "eps_high": loss.get("clip_high"), "kl_coef": loss.get("kl_coef"),
-             "tis_cap": loss.get("tis_cap"), "keep_checkpoints": trainer.get("keep_checkpoints")}
+             "tis_cap": loss.get("tis_cap"), "keep_checkpoints": trainer.get("keep_checkpoints"),
+             "keep_weights": trainer.get("keep_weights")}
     return {k: v for k, v in pairs.items() if v is not None}
 
 
@@ -52,7 +57,7 @@ ENV = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYR
        "transfer": "GYRE_TRAINER_TRANSFER", "tp": "GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE",
        "ack_wait_s": "GYRE_TRAINER_ACK_WAIT_S", "publish_mode": "GYRE_TRAINER_PUBLISH_MODE",
        "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE", "follow_role": "GYRE_TRAINER_FOLLOW_ROLE",
-       "keep_checkpoints": "GYRE_TRAINER_KEEP_CHECKPOINTS"}
+       "keep_checkpoints": "GYRE_TRAINER_KEEP_CHECKPOINTS", "keep_weights": "GYRE_TRAINER_KEEP_WEIGHTS"}
 
 
 def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
@@ -60,6 +65,25 @@ def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str
     (how ``gyre up``, compose, Helm and systemd configure a trainer or a cell's satellite)."""
     extra = {k: environ[v] for k, v in ENV.items() if environ.get(v) and k not in options}
     return {**options, **extra}
+
+
+def keep_weights(options: dict[str, Any]) -> int | None:
+    """The ``keep_weights`` option: newest published weight versions kept (None: all)."""
+    from .core import DEFAULT_KEEP_WEIGHTS, MIN_KEEP_WEIGHTS
+
+    value = options.get("keep_weights")
+    if value is None or value == "":
+        return DEFAULT_KEEP_WEIGHTS
+    if str(value).strip().lower() in ("all", "0"):
+        return None
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = None
+    if n is None or n < MIN_KEEP_WEIGHTS:
+        raise ValueError(f"keep_weights (GYRE_TRAINER_KEEP_WEIGHTS) must be a count of at least {MIN_KEEP_WEIGHTS} "
+                         f"(the newest published version and the one before it) or 'all', not {value!r}")
+    return n
 
 
 def worker_settings(run_id: str, cell: str, options: dict[str, Any]):
@@ -161,7 +185,8 @@ def _publisher(options: dict[str, Any], admin_token: str | None, run_dir: Path):
     folder = resolve_model(_opt(options, "model", str, "tiny-qwen")).folder
     return EnginePublisher(clients, mode=_opt(options, "publish_mode", str, "tensor"),
                            pause=_opt(options, "publish_pause", str, "none"),
-                           folder=run_dir / "trainer" / "published", hf_config=folder / "config.json")
+                           folder=run_dir / "trainer" / "published", hf_config=folder / "config.json",
+                           keep=keep_weights(options))
 
 
 async def trainer_main(ctx: ServiceContext) -> None:
@@ -188,7 +213,8 @@ async def trainer_main(ctx: ServiceContext) -> None:
     local = InProcessTransfer()  # the core's own worker hands its gradients over in memory
     settings = CoreSettings(run_id, cell, train, checkpoints, _opt(options, "groups_per_step", int, None),
                             max_staleness=settings_w.max_staleness,
-                            keep_checkpoints=_opt(options, "keep_checkpoints", int, None))
+                            keep_checkpoints=_opt(options, "keep_checkpoints", int, None),
+                            keep_weights=keep_weights(options))
     if settings.keep_checkpoints is not None and settings.keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints (GYRE_TRAINER_KEEP_CHECKPOINTS) must be at least 1, "
                          f"not {settings.keep_checkpoints}")

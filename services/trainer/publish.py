@@ -4,7 +4,8 @@
 (all or nothing, the version recorded at ``end``); the tensors travel through shared
 memory, so this is for cells on the same machine. ``disk``: the weights are written as
 an HF folder (safetensors + the model's ``config.json``) and each cell loads it with
-``/update_weights_from_disk``. Running rollouts go on: the engine applies an update
+``/update_weights_from_disk``; only the newest ``keep`` version folders stay (None: all;
+a cell has loaded a folder when its update call returns). Running rollouts go on: the engine applies an update
 between forward steps and every output token keeps the version that produced it.
 
 Generation during an update: with ``pause="none"`` (the default) the engine's own
@@ -57,6 +58,7 @@ class EnginePublisher:
     master_port: int = 0  # 0: a free port
     group_name: str = "gyre-weights"
     pause: Literal["none", "in_place"] = "none"  # tensor / disk: pause generation around every update
+    keep: int | None = None  # disk mode: newest version folders kept (None: all); see the trainer's keep_weights
     _group: object = field(default=None, repr=False)
     _store: object = field(default=None, repr=False)
 
@@ -75,7 +77,21 @@ class EnginePublisher:
                     log.warning("publishing v%d to %s failed: %r", version, cell, exc)
                 continue
             done.append(cell)
+        if path is not None and self.keep is not None:
+            self._prune(path)
         return done
+
+    def _prune(self, latest: Path) -> None:
+        """Deletes all but the newest ``keep`` ``v*`` folders (by version), never ``latest``."""
+        def version_of(p: Path) -> int:
+            try:
+                return int(p.name[1:]) if p.name.startswith("v") and p.is_dir() else -1
+            except ValueError:
+                return -1
+        found = sorted((p for p in self.folder.iterdir() if version_of(p) >= 0), key=version_of, reverse=True)
+        for old in found[self.keep:]:
+            if old != latest:
+                shutil.rmtree(old, ignore_errors=True)
 
     async def _send(self, client, version: int, weights: dict[str, torch.Tensor], path: Path | None) -> None:
         if self.pause == "in_place":

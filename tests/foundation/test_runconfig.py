@@ -34,6 +34,7 @@ def test_overrides_are_yaml_values_on_dotted_keys(tmp_path) -> None:
         ("run: [unclosed\n", [], ["not valid YAML"]),
         ("", ["no_equals_sign"], ["expected key.path=value"]),
         ("run: {id: x}\n", ["run.id.deeper=1"], ["'id' is not a section"]),
+        ("trainer: {keep_weights: 1}\n", [], ["keep_weights", "at least 2"]),
     ],
 )
 def test_errors_say_which_key_and_what_was_expected(tmp_path, text, overrides, words) -> None:
@@ -48,3 +49,11 @@ def test_errors_say_which_key_and_what_was_expected(tmp_path, text, overrides, w
 def test_missing_file_is_a_clear_error(tmp_path) -> None:
     with pytest.raises(RunConfigError, match="does not exist"):
         load_run_config(tmp_path / "nope.yaml")
+
+
+def test_keep_weights_takes_a_count_or_all(tmp_path) -> None:
+    f = tmp_path / "run.yaml"
+    f.write_text("trainer: {keep_weights: 4}\n")
+    assert load_run_config(f).trainer.keep_weights == 4
+    assert load_run_config(f, ["trainer.keep_weights=all"]).trainer.keep_weights == "all"
+    assert load_run_config(tmp_path / "run.yaml", ["trainer.keep_weights=null"]).trainer.keep_weights is None

@@ -39,6 +39,18 @@ async def _run_until_it_fails(core, stop, timeout=10):
     return task.exception()
 
 
+async def _step_0_until_the_core_fails(js_bus, blobs, core, worker_cell):
+    """Queues step 0 for ``core`` and its own worker, runs both until the core fails, stops
+    the worker; returns the error that ended the core."""
+    stop = asyncio.Event()
+    worker = asyncio.create_task(worker_cell.run(stop))
+    await _queue(js_bus, blobs, 0, _steps()[0])
+    error = await _run_until_it_fails(core, stop)
+    stop.set()
+    await worker
+    return error
+
+
 async def test_a_failed_publication_stops_the_core_and_a_restart_publishes_the_weights(js_bus, tmp_path):
     blobs = MemoryBlobStore()
     calls = []
@@ -51,12 +63,7 @@ async def test_a_failed_publication_stops_the_core_and_a_restart_publishes_the_w
 
     core, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
     core.publish_to_cells = publisher
-    stop = asyncio.Event()
-    worker = asyncio.create_task(workers[0].run(stop))
-    await _queue(js_bus, blobs, 0, _steps()[0])
-    error = await _run_until_it_fails(core, stop)
-    stop.set()
-    await worker
+    error = await _step_0_until_the_core_fails(js_bus, blobs, core, workers[0])
     assert isinstance(error, ConnectionError) and calls == [0, 1]
     assert [e.weight_version for e in await _events(js_bus, Context.TRAINING, WeightsPublished)] == [0]
     again, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
@@ -85,12 +92,7 @@ async def test_a_failed_checkpoint_write_stops_the_core_and_a_restart_trains_the
     monkeypatch.setattr(core_module, "save_checkpoint", disk_full)
     blobs = MemoryBlobStore()
     core, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
-    stop = asyncio.Event()
-    worker = asyncio.create_task(workers[0].run(stop))
-    await _queue(js_bus, blobs, 0, _steps()[0])
-    error = await _run_until_it_fails(core, stop)
-    stop.set()
-    await worker
+    error = await _step_0_until_the_core_fails(js_bus, blobs, core, workers[0])
     assert isinstance(error, OSError)
     assert await _events(js_bus, Context.TRAINING, StepApplied) == []
     monkeypatch.setattr(core_module, "save_checkpoint", save)
