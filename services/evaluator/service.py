@@ -34,7 +34,7 @@ from libs.common.events import (
     subject_token,
 )
 
-from .adapters import workspace
+from .adapters import scratch, workspace
 from .adapters.catalog import TaskCatalog, TaskSpecError
 from .adapters.judge_client import JudgeClient, JudgeFailed, JudgeUnreachable
 from .adapters.plugin_scorers import Scorer
@@ -81,15 +81,45 @@ class Evaluator:
         self._tasks: OrderedDict[str, str] = OrderedDict()  # rollout id -> task id, from RolloutStarted
         self._claimed: OrderedDict[str, None] = OrderedDict()
         self.counts = {"scored": 0, "failed": 0}
+        self._scratch: scratch.ScratchArea | None = None
 
     async def start(self) -> str:
-        """Prepare the scratch folder and pick the sandbox; returns the isolation in force."""
-        root = self.settings.work_root
-        root.mkdir(parents=True, exist_ok=True)
-        os.chmod(root, 0o711)  # sandbox uids must reach their folder, not list the others
-        isolation = await self.sandbox.probe(root, self.settings.python)
+        """Claim a scratch folder of our own, delete those evaluators that are no longer
+        running left behind, and pick the sandbox; returns the isolation in force."""
+        area = self._scratch_area()
+        if self.settings.keep_workdirs:
+            log.info("evaluator: keep_workdirs is set: scratch folders left by earlier evaluators under %s are "
+                     "kept too (the next evaluator started without it deletes them)", self.settings.work_root)
+        else:
+            await asyncio.to_thread(self._sweep, area)
+        isolation = await self.sandbox.probe(area.path, self.settings.python)
         log.info("evaluator: isolation %s", isolation)
         return isolation
+
+    def _scratch_area(self) -> scratch.ScratchArea:
+        """This evaluator's folder under work_root (made on first use), where its workspaces go."""
+        if self._scratch is None or not self._scratch.held:
+            root = self.settings.work_root
+            root.mkdir(parents=True, exist_ok=True)
+            os.chmod(root, 0o711)  # sandbox uids must reach their folder, not list the others
+            self._scratch = scratch.ScratchArea.claim(root)
+            log.info("evaluator: scratch workspaces under %s", self._scratch.path)
+        return self._scratch
+
+    def _sweep(self, area: scratch.ScratchArea) -> None:
+        swept = scratch.sweep(self.settings.work_root, own=area)
+        if swept.removed:
+            log.info("evaluator: deleted %d scratch folder(s) left by evaluators no longer running (about %.1f MB): "
+                     "%s", len(swept.removed), swept.bytes / 1e6, ", ".join(swept.removed))
+        if swept.busy:
+            log.info("evaluator: %d scratch folder(s) of other running evaluators under %s left alone",
+                     swept.busy, self.settings.work_root)
+
+    def close(self) -> None:
+        """Delete our scratch folder (kept with keep_workdirs) and drop its lock. ``run``
+        does this when it stops; idempotent."""
+        if self._scratch is not None:
+            self._scratch.release(remove=not self.settings.keep_workdirs)
 
     # -- one rollout ------------------------------------------------------------
 
@@ -107,7 +137,7 @@ class Evaluator:
                 if may_retry:
                     raise TransientError(f"{exc!r}") from exc
                 raise _Unscorable(f"could not fetch the rollout's inputs: {exc!r}") from exc
-            workdir = self.settings.work_root / f"{subject_token(ended.rollout_id)[:64]}-{uuid.uuid4().hex[:8]}"
+            workdir = self._scratch_area().path / f"{subject_token(ended.rollout_id)[:64]}-{uuid.uuid4().hex[:8]}"
             workdir.mkdir(mode=0o755)
             try:
                 unpacked = await asyncio.to_thread(unpack_snapshot, data, workdir, self._unpack_limits())
@@ -330,9 +360,12 @@ class Evaluator:
         """Score rollouts until ``stop`` is set."""
         await self.start()
         config = self.consumer_config()
-        await asyncio.gather(
-            *(self.bus.run_consumer(config, self.handle, stop=stop) for _ in range(self.settings.workers))
-        )
+        try:
+            await asyncio.gather(
+                *(self.bus.run_consumer(config, self.handle, stop=stop) for _ in range(self.settings.workers))
+            )
+        finally:
+            await asyncio.to_thread(self.close)
 
 
 def durable_name(base: str, run_id: str | None) -> str:

@@ -105,7 +105,7 @@ async def test_bad_input_is_a_reasoned_failure(make_harness):
         assert isinstance(ev, RolloutScoringFailed), (why, ev)
         assert why in ev.reason and ev.rollout_id == ended.rollout_id and ev.causation_id == ended.event_id
         assert "internal error" not in ev.reason
-    assert not list(h.evaluator.settings.work_root.glob("r-*")), "scratch folders are removed"
+    assert not list(h.evaluator._scratch_area().path.glob("r-*")), "scratch folders are removed"
 
 
 async def test_a_per_test_limit_fails_the_hung_test_and_goes_on(make_harness):
