@@ -203,6 +203,8 @@ def test_the_core_trainer_is_wired_as_gyre_up_wires_it(compose):
     core = [name for name, e in cells.items() if e.get("GYRE_CELL_CORE") == "1"]
     assert env["GYRE_TRAINER_ROLE"] == "core" and [env["GYRE_TRAINER_CELL"]] == core
     assert int(env["GYRE_TRAINER_GROUPS_PER_STEP"]) >= 1  # without it the core never closes a step
+    # as gyre up: the scheduler waits for as many groups before it pulls the core in for an update
+    assert cat.environment(services["scheduler"])["GYRE_SCHEDULER_GROUPS_PER_STEP"] == env["GYRE_TRAINER_GROUPS_PER_STEP"]
     models = {env["GYRE_MODEL"], cat.environment(services["trajectory"])["GYRE_MODEL"],
               cat.environment(services["proxy"])["GYRE_MODEL"]}
     models |= {e["GYRE_MODEL"] for e in cells.values()}

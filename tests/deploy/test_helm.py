@@ -278,6 +278,8 @@ def test_default_cells_are_embedded_engines_on_cpu():
     ({"nats": {"bundled": False}}, "nats.url"),
     ({"postgresql": {"url": ""}}, "postgresql"),
     ({"runId": "has space"}, "runId"),
+    ({"runId": "has.dot"}, "runId"),
+    ({"runId": "r" * 129}, "runId"),  # libs/common/settings.py takes 1 to 128 of [A-Za-z0-9_:-]
     ({"servces": {}}, "servces"),
     ({"secrets": {"create": False}}, "existingSecret"),
 ])
@@ -350,3 +352,27 @@ def test_embedded_engines_share_the_cell_agents_shared_memory():
         engine, agent = containers(by_kind(render(None), "StatefulSet")[name])
         for c in (engine, agent):
             assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"], c["name"]
+
+
+def _env_of(docs: list[dict], deployment: str) -> dict[str, str | None]:
+    return {e["name"]: e.get("value") for e in containers(by_kind(docs, "Deployment")[deployment])[0]["env"]}
+
+
+def test_the_scheduler_counts_a_steps_groups_as_the_trainer_does(rendered):
+    """gyre up gives the scheduler the trainer's groups per step (GYRE_SCHEDULER_GROUPS_PER_STEP):
+    without it the core may be pulled in for an update before all of a step's groups started."""
+    _, _, docs = rendered
+    groups = _trainer_env(docs)["GYRE_TRAINER_GROUPS_PER_STEP"]
+    assert _env_of(docs, "gyre-scheduler")["GYRE_SCHEDULER_GROUPS_PER_STEP"] == groups
+    docs = render({"services": {"scheduler": {"env": {"GYRE_SCHEDULER_GROUPS_PER_STEP": "5"}}}})
+    names = [e["name"] for e in containers(by_kind(docs, "Deployment")["gyre-scheduler"])[0]["env"]]
+    assert names.count("GYRE_SCHEDULER_GROUPS_PER_STEP") == 1
+    assert _env_of(docs, "gyre-scheduler")["GYRE_SCHEDULER_GROUPS_PER_STEP"] == "5"
+
+
+def test_a_run_id_the_code_accepts_is_accepted():
+    from libs.common.settings import GyreSettings
+
+    for run in ("qwen3:nl2repo-2", "r" * 128):
+        GyreSettings(run_id=run)
+        assert _env_of(render({"runId": run}), "gyre-evaluator")["GYRE_RUN_ID"] == run

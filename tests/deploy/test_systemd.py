@@ -177,6 +177,8 @@ def test_the_guide_starts_the_core_trainer_wired_as_gyre_up_wires_it():
     trainer = example("trainer.env.example")
     assert trainer["GYRE_TRAINER_ROLE"] == "core"
     assert int(trainer["GYRE_TRAINER_GROUPS_PER_STEP"]) >= 1  # without it the core never closes a step
+    # as gyre up: the scheduler waits for as many groups before it pulls the core in for an update
+    assert example("scheduler.env.example")["GYRE_SCHEDULER_GROUPS_PER_STEP"] == trainer["GYRE_TRAINER_GROUPS_PER_STEP"]
     assert all("=http://" in item for item in trainer["GYRE_TRAINER_PUBLISH_TO"].split(","))
     cell = example("cell.env.example")
     assert cell["GYRE_CELL_CORE"] == "1"
