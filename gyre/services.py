@@ -6,6 +6,8 @@ Only services that exist are listed: a name is added here when its issue lands.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
+from typing import Any
 
 from libs.common.db.projection import ProjectionRunner
 from libs.common.db.readmodels import readmodels
@@ -80,16 +82,24 @@ async def scheduler_main(ctx: ServiceContext) -> None:
     await run(ctx)
 
 
+RUNNER_ENV = {"proxy_url": "GYRE_PROXY_URL", "tasks_dir": "GYRE_TASKS_DIR", "harness": "GYRE_RUNNER_HARNESS",
+              "work_root": "GYRE_RUNNER_WORK_ROOT", "max_parallel": "GYRE_RUNNER_MAX_PARALLEL",
+              "model": "GYRE_POLICY_MODEL"}  # model: the name the agents send, the proxy's policy name
+
+
+def runner_env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """The runner's options with those ``RUNNER_ENV`` names filled from the environment
+    (an option given on the command line wins)."""
+    extra = {o: environ[v] for o, v in RUNNER_ENV.items() if environ.get(v) and o not in options}
+    return {**options, **extra}
+
+
 async def runner_main(ctx: ServiceContext) -> None:
     import os
 
     from services.runner.main import runner_main as run
 
-    env = {"proxy_url": "GYRE_PROXY_URL", "tasks_dir": "GYRE_TASKS_DIR", "harness": "GYRE_RUNNER_HARNESS",
-           "work_root": "GYRE_RUNNER_WORK_ROOT", "max_parallel": "GYRE_RUNNER_MAX_PARALLEL"}
-    for option, var in env.items():
-        if os.environ.get(var) and option not in ctx.options:
-            ctx.options[option] = os.environ[var]
+    ctx.options.update(runner_env_options(ctx.options, os.environ))
     await run(ctx)
 
 

@@ -233,3 +233,11 @@ def test_ctrl_c_stops_the_run_and_still_writes_the_report(tmp_path) -> None:
     summary = json.loads((runs / "cc" / "summary.json").read_text())
     assert summary["steps"] < 40  # stopped in the middle
     assert (runs / "cc" / "report.html").exists() and (runs / "cc" / "report.json").exists()
+
+
+def test_the_runner_service_takes_its_options_from_the_environment() -> None:
+    from gyre.services import runner_env_options
+
+    environ = {"GYRE_PROXY_URL": "http://p", "GYRE_POLICY_MODEL": "my-policy", "GYRE_RUNNER_MAX_PARALLEL": ""}
+    assert runner_env_options({}, environ) == {"proxy_url": "http://p", "model": "my-policy"}
+    assert runner_env_options({"model": "given"}, environ)["model"] == "given"  # the command line wins
