@@ -41,6 +41,10 @@ class RolloutState:
     seq: int = 0  # newest CallRecorded stream sequence applied
     call_session: dict[str, str] = field(default_factory=dict)
     logged: set[str] = field(default_factory=set)  # calls seen in the log by sync
+    # chain hashes of conversations up to a compacted history's opening (summary) message,
+    # for calls this process recorded: a later request with the same opening is no new
+    # compaction (hints.request_kind), even when TITO matched none of its messages
+    summaries: set[bytes] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 

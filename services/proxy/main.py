@@ -93,3 +93,4 @@ async def proxy_main(ctx: ServiceContext) -> None:
             await asyncio.wait_for(task, 5)  # each sees stop within its tick
         except asyncio.TimeoutError:
             pass
+    service.close()  # the render threads

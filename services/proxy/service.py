@@ -8,6 +8,7 @@ call (blobs first, then ``CallRecorded``) before the caller sees the end of the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -15,7 +16,9 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from libs.common.blobs import encode_logprobs, encode_tokens
 from libs.common.bus.port import BlobStore, ConcurrencyConflict, EventBus
@@ -24,7 +27,7 @@ from libs.common.events.calls import CallTimings, SessionHints, WeightSpan
 
 from .api.common import ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone
 from .core.decode import IncrementalDecoder
-from .core.hints import request_kind
+from .core.hints import continuation_index, request_kind
 from .core.messages import text_digest, tools_key
 from .core.routing import CellState, Router
 from .core.tito import Plan, Renderer, TemplateError
@@ -36,6 +39,9 @@ log = logging.getLogger(__name__)
 
 CONTEXT_ASK_TIMEOUT_S = 5.0  # a call waits at most this for a new cell to tell its context length
 CONTEXT_RETRY_S = 30.0  # a cell that did not tell is asked again after this
+RENDER_THREADS = 2  # threads that render and tokenise off the event loop (see ProxyService.off_loop)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -49,6 +55,9 @@ class ProxyConfig:
     # the most tokens (prompt + answer) a call may use; each cell's own context length (its
     # /server_info) caps it further. None: the cells' alone (the tokenizer's until one answers)
     max_context: int | None = None
+    # threads for chat-template rendering and tokenisation (the CPU work that grows with a
+    # history), so that the event loop keeps streaming every other session meanwhile
+    render_threads: int = RENDER_THREADS
 
 
 @dataclass
@@ -88,6 +97,35 @@ class ProxyService:
         self.stats = CallStats()
         self.on_recorded: list[Callable[[str, str, bool], None]] = []  # (api, drift, delivered), e.g. metrics
         self._background: set[asyncio.Task] = set()
+        self._render_pool = ThreadPoolExecutor(max_workers=max(1, config.render_threads),
+                                               thread_name_prefix="gyre-proxy-render")
+
+    def close(self) -> None:
+        """Stop the render threads (work already handed to them finishes first)."""
+        self._render_pool.shutdown(wait=False)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a render thread: rendering a long history with the chat template
+        and tokenising it takes tens to hundreds of milliseconds, which on the event loop
+        would stall every other session's stream.
+
+        Callers hold the rollout's lock, so a rollout's calls still plan and record one at a
+        time, in order. If the caller is cancelled meanwhile, this still waits for the worker
+        before the cancellation goes on: the lock must not be released while a thread is
+        still using the rollout's history (the next call of the rollout would plan on it at
+        the same time)."""
+        fut = asyncio.get_running_loop().run_in_executor(self._render_pool, functools.partial(fn, *args))
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            while not fut.done():
+                try:
+                    await asyncio.wait({fut})
+                except asyncio.CancelledError:
+                    pass
+            if not fut.cancelled():
+                fut.exception()  # retrieved: the caller has gone, its error with it
+            raise
 
     # -- cells -------------------------------------------------------------------------
 
@@ -226,14 +264,20 @@ class ProxyService:
         st = self.book.state(rollout_id)
         async with st.lock:
             await self.book.sync(st)
-            plan = self._plan(st, req)
+            plan = await self.off_loop(self._plan, st, req)
         return plan.input_len
 
     def _plan(self, st: RolloutState, req: ChatRequest) -> Plan:
+        """Runs in a render thread, under the rollout's lock."""
         try:
             return st.tito.plan(req.messages, req.tools, tools_key(req.tools))
         except TemplateError as exc:
             raise ApiError(400, "invalid_request", str(exc)) from exc
+
+    def _plan_ids(self, st: RolloutState, req: ChatRequest) -> tuple[Plan, list[int]]:
+        """The plan and the whole input ids (runs in a render thread, under the rollout's lock)."""
+        plan = self._plan(st, req)
+        return plan, st.tito.input_ids(plan)
 
     # -- serving -----------------------------------------------------------------------
 
@@ -242,18 +286,18 @@ class ProxyService:
         st = self.book.state(rollout_id)
         async with st.lock:
             await self.book.sync(st)
-            plan = self._plan(st, req)
-            input_ids = st.tito.input_ids(plan)
+            plan, input_ids = await self.off_loop(self._plan_ids, st, req)
         await self.learn_contexts()  # cells added since the last call tell their context length first
         max_new = self._budget(len(input_ids), req.max_tokens)
         call_id = uuid.uuid4().hex
         session = st.call_session.get(plan.parent_call_id or "", "") or f"{rollout_id}/{call_id}"
+        session_hints = self._hints(req, hints, self._reused(st, plan, req))
         if plan.parent_call_id is None:
             await self.bus.publish(SessionOpened(run_id=self.config.run_id, session_id=session, rollout_id=rollout_id,
-                                                 hints=self._hints(req, hints)))
+                                                 hints=session_hints))
         req.max_tokens = max_new
         sampling = req.sampling_params(max_new, self.stop_token_ids)
-        call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic())
+        call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic(), session_hints)
         try:
             async for ev in self._run(call, req, sampling):
                 if isinstance(ev, Finished):
@@ -294,7 +338,7 @@ class ProxyService:
             for ev in deltas(*parser.feed(cutter.feed(text))):
                 yield ev
         # the decoder holds back an unfinished character; the whole decode has the rest
-        whole = self.renderer.decode(call.output_ids)
+        whole = await self.off_loop(self.renderer.decode, call.output_ids)
         if whole.startswith(streamed[0]):
             for ev in deltas(*parser.feed(cutter.feed(whole[len(streamed[0]):]))):
                 yield ev
@@ -350,9 +394,26 @@ class ProxyService:
 
     # -- recording ---------------------------------------------------------------------
 
-    def _hints(self, req: ChatRequest, hints: CallHints) -> SessionHints:
+    @staticmethod
+    def _reused(st: RolloutState, plan: Plan, req: ChatRequest) -> int:
+        """How many leading messages of the request an earlier call of the rollout sent:
+        those its reused prefix covers, or, when it starts with a compacted history's
+        summary that a call recorded here already sent, at least up to that summary."""
+        n = plan.matched_messages if plan.parent_call_id is not None else 0
+        at = continuation_index(req.messages)
+        if at is not None and at >= n and plan.hashes[at + 1] in st.summaries:
+            n = at + 1
+        return n
+
+    @staticmethod
+    def _remember_summary(st: RolloutState, call: "_Call", req: ChatRequest) -> None:
+        at = continuation_index(req.messages)
+        if at is not None:
+            st.summaries.add(call.plan.hashes[at + 1])
+
+    def _hints(self, req: ChatRequest, hints: CallHints, reused: int = 0) -> SessionHints:
         system = req.messages[0].content if req.messages and req.messages[0].role == "system" else None
-        kind = request_kind(req.messages, agent_id=hints.agent_id, has_tools=bool(req.tools))
+        kind = request_kind(req.messages, agent_id=hints.agent_id, has_tools=bool(req.tools), reused=reused)
         return SessionHints(agent_id=hints.agent_id, parent_agent_id=hints.parent_agent_id, role=hints.role, kind=kind,
                             system_digest=text_digest(system) if system is not None else None,
                             tools_digest=tools_key(req.tools) if req.tools else None)
@@ -361,13 +422,15 @@ class ProxyService:
                       *, delivered: bool) -> None:
         """Blobs first, then the event, appended only if this replica has seen every call
         of the rollout before it (optimistic concurrency on the rollout's subject)."""
-        parsed = call.parsed or self._parse(call, req)
+        parsed = call.parsed or await self.off_loop(self._parse, call, req)
         async with st.lock:
             if call.committed:
                 return
             try:
-                boundaries = st.tito.record(call.call_id, call.plan, call.output_ids, parsed.as_msg(), req.tools,
-                                            tools_key(req.tools), call.outcome.finish_reason == "stop")
+                # the reply check renders and encodes the reply: O(reply), off the loop too
+                boundaries = await self.off_loop(st.tito.record, call.call_id, call.plan, call.output_ids,
+                                                 parsed.as_msg(), req.tools, tools_key(req.tools),
+                                                 call.outcome.finish_reason == "stop")
             except Exception:
                 # The tokens are the training data: record the call without a match index
                 # (a next turn forks instead of continuing it), and let the rollout's next
@@ -377,6 +440,7 @@ class ProxyService:
                 if self.book.states.get(st.rollout_id) is st:
                     del self.book.states[st.rollout_id]
             st.call_session[call.call_id] = call.session
+            self._remember_summary(st, call, req)
             digests = await asyncio.gather(
                 self.blobs.put(encode_tokens(call.plan.new_ids)), self.blobs.put(encode_tokens(call.output_ids)),
                 self.blobs.put(encode_logprobs(call.logprobs)),
@@ -439,7 +503,8 @@ class ProxyService:
             new_input_digest=new_d, n_new_input_tokens=len(call.plan.new_ids), output_digest=out_d,
             logprobs_digest=lp_d, n_output_tokens=len(call.output_ids), weight_spans=call.spans(),
             drift=call.plan.drift, match_index_digest=idx_d, model=req.model,
-            finish_reason=call.outcome.finish_reason, delivered=delivered, hints=self._hints(req, hints),
+            finish_reason=call.outcome.finish_reason, delivered=delivered,
+            hints=call.hints if call.hints is not None else self._hints(req, hints),
             timings=CallTimings(total_ms=(now - call.started) * 1000,
                                 first_token_ms=(call.first_token - call.started) * 1000 if call.first_token else None),
             cell=call.outcome.cells[-1] if call.outcome.cells else None,
@@ -561,6 +626,7 @@ class _Call:
     plan: Plan
     input_ids: list[int]
     started: float
+    hints: SessionHints | None = None  # what the call was recognised as when it was planned
     first_token: float | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

@@ -51,7 +51,7 @@ Relation = Literal["first", "extend", "retry", "rewrite"]
 
 # Drift classes of a call that continues right after its parent's reply, the first to do so
 # (libs/common/events/calls.py DriftClass; the proxy reuses the generated ids in all three).
-CONTINUES_PARENT: frozenset[str] = frozenset({"append", "template_drift", "retoken_drift"})
+CONTINUES_PARENT: frozenset[str] = frozenset({"append", "template_drift", "reasoning_stripped", "retoken_drift"})
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,10 @@ class DriftClass(str, enum.Enum):
 
     FRESH = "fresh"  # first call of the rollout: nothing to match
     APPEND = "append"  # an earlier call's messages + reply, then new messages: clean
-    TEMPLATE_DRIFT = "template_drift"  # the template re-renders the reply differently (e.g. thinking stripped)
+    TEMPLATE_DRIFT = "template_drift"  # the template re-renders the reply as other text (e.g. tool-call JSON spacing)
+    # the template re-renders the reply without its <think> block (Qwen3 drops earlier turns'
+    # reasoning) and otherwise as generated
+    REASONING_STRIPPED = "reasoning_stripped"
     RETOKEN_DRIFT = "retoken_drift"  # same text, but re-encoding it gives other ids than generated
     FORK = "fork"  # history rewritten: compaction, edit, retry, a new sub-agent conversation
 

@@ -2,10 +2,19 @@
 
 It counts the tokens it encodes (``encoded_tokens``): the proxy's own tokenisation work,
 which the TITO design keeps proportional to each turn's new messages.
+
+Thread-safe: the proxy renders and tokenises in worker threads (``ProxyService.off_loop``),
+several sessions at once. Jinja templates render concurrently; a fast tokenizer's encode
+and decode only read the Rust tokenizer, as long as nothing changes its truncation or
+padding settings or its special-token splitting (transformers changes them only when a
+call asks for other settings than the tokenizer has, and this class never asks for any):
+a tokenizer that comes with other settings gets those encode uses here, once, before any
+thread uses it.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +32,17 @@ class HFRenderer:
             self.tokenizer.chat_template = chat_template
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(f"the tokenizer in {folder} has no chat template")
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is not None:  # encode never asks for truncation or padding: keep none set
+            if backend.truncation is not None:
+                backend.no_truncation()
+            if backend.padding is not None:
+                backend.no_padding()
+            split = bool(getattr(self.tokenizer, "split_special_tokens", False))  # what encode sets it to
+            if getattr(backend, "encode_special_tokens", split) != split:
+                backend.encode_special_tokens = split
         self.encoded_tokens = 0
+        self._count_lock = threading.Lock()
         eos = self.tokenizer.eos_token
         self.stop_texts: tuple[str, ...] = tuple(t for t in (eos, "<|endoftext|>") if t)
         self.stop_token_ids: list[int] = sorted({self.tokenizer.convert_tokens_to_ids(t) for t in self.stop_texts
@@ -45,7 +64,8 @@ class HFRenderer:
 
     def encode(self, text: str) -> list[int]:
         ids = self.tokenizer.encode(text, add_special_tokens=False)
-        self.encoded_tokens += len(ids)
+        with self._count_lock:
+            self.encoded_tokens += len(ids)
         return ids
 
     def decode(self, ids: list[int]) -> str:

@@ -13,8 +13,11 @@ Drift classes (``DriftClass``) for the call that continues at a boundary:
 
 - after an earlier call's *reply*: ``append`` when the chat template would re-render that
   reply as exactly the generated ids; ``retoken_drift`` when it renders the same text but
-  re-encoding it gives other ids; ``template_drift`` when it renders other text (e.g. the
-  template drops thinking). The engine gets the generated ids in all three cases.
+  re-encoding it gives other ids; ``reasoning_stripped`` when the only difference is the
+  reply's ``<think>...</think>`` block, which the template leaves out of earlier turns
+  (Qwen3's documented behaviour; the reasoning never comes back in the messages either);
+  ``template_drift`` when it renders other text than that. The engine gets the generated
+  ids in all four cases.
 - inside an earlier call's *input* (the same messages sent again and then something else:
   a retry or an edit): ``fork``; no match at all in a rollout that has calls: ``fork`` (a
   compaction's rewritten history, a new sub-agent conversation); the first call: ``fresh``.
@@ -25,6 +28,7 @@ Pure: no HTTP, NATS or torch; the chat template and tokenizer come in as a ``Ren
 from __future__ import annotations
 
 import array
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -34,6 +38,7 @@ from libs.common.events.calls import DriftClass
 from .messages import Msg, ToolSpec, chain_hashes, extend_hash
 
 SENTINEL = "\u2063gyre-sentinel\u2063"
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 class Renderer(Protocol):
@@ -113,6 +118,9 @@ class Tito:
         self.calls: dict[str, CallTokens] = {}
         self.boundaries: dict[bytes, Boundary] = {}
         self._full_cache: OrderedDict[str, array.array] = OrderedDict()
+        # plans and records run in the proxy's render threads under the rollout's lock; a
+        # reader outside that lock (the KV migration's session_tokens) may meet them here
+        self._cache_lock = threading.Lock()
         self._cache_calls = cache_calls
         self._shapes: dict[tuple[str, str], TemplateShape] = {}
         self._continued: set[bytes] = set()  # reply boundaries some call has already continued
@@ -128,9 +136,11 @@ class Tito:
         cid: str | None = call_id
         base = array.array("i")
         while cid is not None:
-            cached = self._full_cache.get(cid)
+            with self._cache_lock:
+                cached = self._full_cache.get(cid)
+                if cached is not None:
+                    self._full_cache.move_to_end(cid)
             if cached is not None:
-                self._full_cache.move_to_end(cid)
                 base = cached
                 break
             c = self.calls[cid]
@@ -143,9 +153,10 @@ class Tito:
             del seq[c.prefix_len if c.parent_call_id is not None else 0:]
             seq.extend(c.new_ids)
             seq.extend(c.output_ids)
-        self._full_cache[call_id] = seq
-        while len(self._full_cache) > self._cache_calls:
-            self._full_cache.popitem(last=False)
+        with self._cache_lock:
+            self._full_cache[call_id] = seq
+            while len(self._full_cache) > self._cache_calls:
+                self._full_cache.popitem(last=False)
         return seq
 
     def input_ids(self, plan: Plan) -> list[int]:
@@ -402,11 +413,27 @@ class Tito:
             cur = self.renderer.render(before + [reply], tools, add_generation_prompt=False)
         rendered = cur[len(prev):] if prev is not None and cur is not None and cur.startswith(prev) else None
         if rendered != shape.generation_prompt + generated + glue:
+            if rendered is not None and rendered in without_thinking(shape.generation_prompt + generated, glue):
+                return glue, DriftClass.REASONING_STRIPPED
             return glue, DriftClass.TEMPLATE_DRIFT
         gp = self.renderer.encode(shape.generation_prompt)
         if self.renderer.encode(rendered) != gp + list(output_ids) + self.renderer.encode(glue):
             return glue, DriftClass.RETOKEN_DRIFT
         return glue, DriftClass.APPEND
+
+
+def without_thinking(text: str, glue: str = "") -> tuple[str, ...]:
+    """``text`` (a generation prompt and the reply written after it) with its thinking
+    block left out as chat templates leave it out of earlier turns, then ``glue``: the
+    span from ``<think>`` (which the generation prompt may hold) to the first ``</think>``,
+    with the newlines after it (Qwen3: ``content.split('</think>')[-1].lstrip('\\n')``)
+    or all whitespace after it. Empty when there is no complete thinking block."""
+    close = text.find(THINK_CLOSE)
+    start = text.rfind(THINK_OPEN, 0, close) if close >= 0 else -1
+    if start < 0:
+        return ()
+    head, rest = text[:start], text[close + len(THINK_CLOSE):]
+    return tuple(dict.fromkeys((head + rest.lstrip("\n") + glue, head + rest.lstrip() + glue)))
 
 
 def _suffix(prefix: str, whole: str) -> str:
