@@ -93,6 +93,7 @@ def plan_stack(cfg: RunConfig, admin_token: str) -> list[Launch]:
               "GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT": str(cfg.cells.max_switches_in_flight),
               "GYRE_SCHEDULER_MIN_INFERENCE_CELLS": str(cfg.cells.min_inference_cells),
               "GYRE_SCHEDULER_TRAINING_CELLS": str(cfg.cells.training_cells),
+              "GYRE_SCHEDULER_MAX_RESENDS": str(cfg.cells.max_resends),
               "GYRE_SCHEDULER_GROUPS_PER_STEP": str(cfg.tasks.per_step),
               **{f"GYRE_TRAJECTORY_{k.upper()}": str(v) for k, v in run_config_options(cfg.model_dump()).items()},
               "GYRE_EVALUATOR_WORKERS": str(cfg.evaluator.workers),

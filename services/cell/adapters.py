@@ -15,10 +15,17 @@ from typing import Any, Protocol
 import httpx
 
 
+EVACUATE_MARGIN_S = 15.0  # the proxy's evacuation deadline ends this long before our HTTP timeout
+
+
 class ProxyControl:
-    """The proxy's admin endpoints."""
+    """The proxy's admin endpoints. An evacuation is given an overall deadline
+    (``evacuate_deadline_s``: the HTTP timeout less :data:`EVACUATE_MARGIN_S`, at least
+    half of it), so the proxy stops moving sessions and answers with what it moved before
+    this client gives up on it."""
 
     def __init__(self, url: str, admin_token: str | None, *, timeout_s: float = 120.0) -> None:
+        self.timeout_s = timeout_s
         self._http = httpx.AsyncClient(base_url=url, timeout=timeout_s,
                                        headers={"Authorization": f"Bearer {admin_token}"} if admin_token else {})
 
@@ -31,8 +38,16 @@ class ProxyControl:
     async def add(self, cell: str, url: str, capacity: int) -> None:
         await self._post("/admin/cells", {"name": cell, "url": url, "capacity": capacity})
 
+    @property
+    def evacuate_deadline_s(self) -> float:
+        return max(self.timeout_s - EVACUATE_MARGIN_S, self.timeout_s / 2)
+
     async def evacuate(self, cell: str, *, timeout_s: float = 30.0, migrate: bool = True) -> dict[str, Any]:
-        return await self._post(f"/admin/cells/{cell}/evacuate", {"timeout_s": timeout_s, "migrate": migrate})
+        """Drain and move the cell's sessions (drain wait ``timeout_s``); the whole of it
+        within ``evacuate_deadline_s``. The answer says what moved and what was ``left``."""
+        deadline = self.evacuate_deadline_s
+        return await self._post(f"/admin/cells/{cell}/evacuate",
+                                {"timeout_s": min(timeout_s, deadline), "migrate": migrate, "deadline_s": deadline})
 
     async def cells(self) -> list[dict[str, Any]]:
         r = await self._http.get("/admin/cells")

@@ -9,6 +9,22 @@ again with the same ``causation_id`` (a scheduler that restarted, or whose watch
 nothing for too long) is answered with the outcome it had, and nothing is done or logged
 twice.
 
+A scheduler that heard nothing from a cell for several of its commands (the agent hung)
+declares the switch failed on the cell's behalf: a ``SwitchFailed`` with the command's
+causation id, written by the scheduler (``services.scheduler.live``). Before each phase it
+starts, the agent looks at the newest ``SwitchFailed`` of its cell; if it is such a
+declaration for the switch under way, the agent starts nothing more, rolls back as for a
+failure in the last phase the log has (``core.rollback_role``, the same safe role the
+scheduler declared) and reports its own ``SwitchFailed``, which the scheduler takes as the
+cell's word. A phase already under way when the agent wakes up is finished; a switch whose
+last phase was under way completes, and the scheduler takes that outcome too.
+
+The evacuation (``migrating``) is bounded: the proxy gets a deadline shorter than the
+agent's HTTP timeout (``ProxyControl.evacuate``) and answers with the sessions it moved and
+those it left on the cell. Any left (or calls that outlasted the drain) fail the phase:
+the agent rolls back to inference and the proxy routes to the cell again, so the sessions
+not moved are served where their KV cache is, and the moved ones where they went.
+
 A restarted agent registers in inference: it first asks its training seat to leave (the
 core's trainer may still be claiming for a cell that trained) and gives its engine its
 memory back if the cells stream says the cell trained or was on its way there (an SGLang
@@ -23,7 +39,8 @@ import logging
 import time
 from typing import Any
 
-from libs.common.events import CellRegistered, Context, SwitchCompleted, SwitchFailed, SwitchPhaseEntered
+from libs.common.events import CellRegistered, Context, SwitchCompleted, SwitchFailed, SwitchPhaseEntered, decode
+from libs.common.events.envelope import subject_token
 
 from .adapters import EngineControl, ProxyControl, TrainingSeat
 from .core import SwitchRecord, SwitchRefused, plan
@@ -43,6 +60,10 @@ ANSWERS_KEPT = 32  # outcomes kept by causation id, to answer a command sent aga
 RELEASED_AFTER = frozenset({"training", "joining", "leaving"})
 MAYBE_RELEASED_AFTER = frozenset({"releasing", "resuming"})
 CATCH_UP_TIMEOUT_S = 120.0  # loading the newest weights on the way back (under the scheduler's 300 s request timeout)
+
+
+class SwitchDeclaredFailed(RuntimeError):
+    """The scheduler declared the switch under way failed (its agent did not answer)."""
 
 
 class CellAgent:
@@ -130,6 +151,9 @@ class CellAgent:
         for phase in phases:
             start = time.monotonic()
             try:
+                if await self._declared_failed(causation_id):
+                    raise SwitchDeclaredFailed(f"the scheduler declared this switch failed (its agent answered none "
+                                               f"of its commands in time); stopped before {phase}")
                 await self._announce(SwitchPhaseEntered(run_id=self.run_id, cell=self.name, phase=phase,
                                                         causation_id=causation_id))
                 announced = phase
@@ -156,6 +180,23 @@ class CellAgent:
         self.last = rec
         return rec
 
+    async def _declared_failed(self, causation_id: str | None) -> bool:
+        """Whether the newest ``SwitchFailed`` of this cell is the scheduler's declaration for
+        the switch under way (the agent writes its own only once the switch is over). Read
+        failures count as no: the scheduler's fold takes whatever the agent writes next."""
+        if causation_id is None:
+            return False
+        subject = f"gyre.{self.run_id}.{Context.CELLS.value}.{SwitchFailed.TYPE}.{subject_token(self.name)}"
+        try:
+            raw = await self.bus.last_on_subject(Context.CELLS, subject)
+            if raw is None:
+                return False
+            ev = decode(raw.data)
+            return ev.declared_by_scheduler and ev.causation_id == causation_id
+        except Exception as exc:
+            log.warning("cell %s: cannot read whether its switch was declared failed: %r", self.name, exc)
+            return False
+
     async def _announce(self, event: SwitchPhaseEntered) -> None:
         """Publishes a phase's announcement, trying again with the same event: a try whose
         acknowledgement was lost may be stored, and JetStream drops the copy (same id)."""
@@ -178,6 +219,11 @@ class CellAgent:
             self.last_evacuation = result
             if not result.get("drained", True):
                 raise RuntimeError(f"{result.get('in_flight')} calls still in flight after the drain timeout")
+            left = result.get("left") or []
+            if left:  # the proxy stopped at its deadline: the sessions it did not move stay here
+                raise RuntimeError(f"evacuation stopped ({result.get('stopped') or 'incomplete'}) after "
+                                   f"{float(result.get('seconds', 0.0)):.1f}s: {len(result.get('moves') or [])} "
+                                   f"session(s) moved, {len(left)} left on the cell, which goes back to inference")
         elif phase == "releasing":
             await self.engine.release()
         elif phase == "joining":

@@ -4,10 +4,13 @@ The scheduler drives these (through its NATS commands in the live system, or HTT
 - ``POST /admin/cells`` ``{"name", "url", "capacity"}``: add or re-activate a cell;
 - ``POST /admin/cells/{name}/drain`` ``{"timeout_s"}``: no new sessions; waits (bounded)
   for calls in flight; answers with the sessions still pinned there, to be moved;
-- ``POST /admin/cells/{name}/evacuate`` ``{"timeout_s", "migrate"}``: drain, then move every
-  session to another cell with its KV cache (``migration.py``), one ``SessionRerouted`` each
-  (none when calls outlast the drain: the switch then rolls back and the sessions stay; a
-  session a new turn took elsewhere meanwhile stays where it went);
+- ``POST /admin/cells/{name}/evacuate`` ``{"timeout_s", "migrate", "deadline_s"}``: drain,
+  then move every session to another cell with its KV cache (``migration.py``), one
+  ``SessionRerouted`` each (none when calls outlast the drain: the switch then rolls back and
+  the sessions stay; a session a new turn took elsewhere meanwhile stays where it went).
+  ``deadline_s`` (optional, a positive number; else 400 ``invalid_request``) bounds the
+  whole of it: no move starts past it. The answer lists the ``moves``, the sessions ``left``
+  on the cell, ``complete`` and why it ``stopped`` early (``deadline``, ``reactivated``);
 - ``POST /admin/cells/{name}/activate``, ``DELETE /admin/cells/{name}``;
 - ``POST /admin/sessions/move`` ``{"session", "to_cell"}``: the session's next call goes
   to ``to_cell`` (KV migration, when wanted, is the scheduler's step before this);
@@ -85,13 +88,18 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
         async def run(body: dict) -> Any:
             from dataclasses import asdict
 
-            from .migration import evacuate
+            from .migration import check_deadline, evacuate
 
+            try:
+                deadline_s = check_deadline(body.get("deadline_s"))
+            except ValueError as exc:
+                raise ApiError(400, "invalid_request", str(exc)) from None
             if name not in service.router.cells:
                 raise ApiError(404, "not_found", f"unknown cell {name!r}")
             ev = await evacuate(service, name, timeout_s=float(body.get("timeout_s", 30)),
-                                migrate=bool(body.get("migrate", True)), mover=getattr(service, "kv_mover", None))
-            return asdict(ev)
+                                migrate=bool(body.get("migrate", True)), mover=getattr(service, "kv_mover", None),
+                                deadline_s=deadline_s)
+            return {**asdict(ev), "complete": ev.complete}
 
         return await guarded(request, run)
 

@@ -8,17 +8,30 @@ the session's next call computes only its new tokens; if that fails, the session
 re-prefilled (its next call recomputes the prefix). Either way one ``SessionRerouted``
 records the move. A ``KvMover`` can carry the blocks another way (the transfer port);
 the default goes through the engines' HTTP export/import.
+
+``deadline_s`` bounds the whole evacuation (the cell agent passes one shorter than its own
+HTTP timeout, so the proxy has stopped before the agent gives up and rolls the switch
+back): the drain waits at most until then, no move starts past it, and the KV copy of the
+move under way gets only the time left (cut short, the session is re-prefilled on its new
+cell: slower, never wrong). A cell re-activated meanwhile (its switch rolled back) keeps
+the sessions not moved yet, too. The answer says what moved (``moves``), what stayed on
+the cell (``left``), whether every session is off it (``complete``) and why it stopped
+early (``stopped``): the agent then rolls back to inference, and the sessions left are
+served where their KV cache is.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from libs.common.events import SessionRerouted
+
+from .core.routing import CellState
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +66,23 @@ class Evacuation:
     in_flight: int
     seconds: float
     moves: list[MoveResult] = field(default_factory=list)
+    deadline_s: float | None = None  # the overall bound asked for (None: none)
+    left: list[str] = field(default_factory=list)  # sessions still pinned to the cell (not moved)
+    stopped: str | None = None  # why it stopped before moving every session: deadline | reactivated
+
+    @property
+    def complete(self) -> bool:
+        """Calls drained and no session left on the cell."""
+        return self.drained and not self.left
+
+
+def check_deadline(value: Any) -> float | None:
+    """``deadline_s`` of an evacuation request: None, or a positive, finite number of seconds."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"'deadline_s' must be a positive number of seconds, got {value!r}")
+    return float(value)
 
 
 def session_tokens(service: Any, session: str) -> list[int] | None:
@@ -78,24 +108,37 @@ async def drain(router: Any, cell: str, timeout_s: float) -> int:
 
 
 async def evacuate(service: Any, cell: str, *, timeout_s: float = 30.0, migrate: bool = True,
-                   mover: KvMover | None = None) -> Evacuation:
+                   mover: KvMover | None = None, deadline_s: float | None = None) -> Evacuation:
     router = service.router
     start = time.monotonic()
-    left = await drain(router, cell, timeout_s)
-    out = Evacuation(cell, left == 0, left, 0.0)
-    if left:  # calls still running: the switch fails and rolls back, so its sessions stay
+    deadline = math.inf if deadline_s is None else start + check_deadline(deadline_s)
+    busy = await drain(router, cell, min(timeout_s, deadline - start))
+    out = Evacuation(cell, busy == 0, busy, 0.0, deadline_s=deadline_s)
+    if busy:  # calls still running: the switch fails and rolls back, so its sessions stay
+        out.left = router.sessions_on(cell)
         out.seconds = time.monotonic() - start
         return out
     mover = mover or HttpKvMover()
     for session in router.sessions_on(cell):
         if router.sessions.get(session) != cell:  # a new turn already took it elsewhere meanwhile
             continue
-        out.moves.append(await _move_one(service, session, cell, migrate, mover))
+        if out.stopped is None and time.monotonic() >= deadline:
+            out.stopped = "deadline"
+        elif out.stopped is None and getattr(router.cells.get(cell), "state", None) is CellState.ACTIVE:
+            out.stopped = "reactivated"  # its switch rolled back meanwhile: the rest stays
+        if out.stopped is not None:
+            continue
+        out.moves.append(await _move_one(service, session, cell, migrate, mover, deadline))
+    out.left = router.sessions_on(cell)  # not moved: still served here once it is active again
     out.seconds = time.monotonic() - start
+    if out.stopped is not None:
+        log.warning("evacuation of %s stopped (%s) after %.1fs: %d session(s) moved, %d left on the cell", cell,
+                    out.stopped, out.seconds, len(out.moves), len(out.left))
     return out
 
 
-async def _move_one(service: Any, session: str, cell: str, migrate: bool, mover: KvMover) -> MoveResult:
+async def _move_one(service: Any, session: str, cell: str, migrate: bool, mover: KvMover,
+                    deadline: float = math.inf) -> MoveResult:
     router = service.router
     router.unpin(session)
     target = router.pick(session)  # least-loaded active cell; pins the session there
@@ -103,7 +146,9 @@ async def _move_one(service: Any, session: str, cell: str, migrate: bool, mover:
     ids = session_tokens(service, session) if migrate else None
     if ids:
         try:
-            result.tokens = await mover.move(service.clients[cell], service.clients[target], ids)
+            copy = mover.move(service.clients[cell], service.clients[target], ids)
+            left_s = deadline - time.monotonic()
+            result.tokens = await (copy if math.isinf(left_s) else asyncio.wait_for(copy, max(left_s, 0.0)))
             result.kv = "migrated"
         except Exception as exc:  # the next call re-prefills: slower, never wrong
             result.error = repr(exc)

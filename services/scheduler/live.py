@@ -30,6 +30,26 @@ timeout): the command goes again, with the causation id of the request that star
 switch, so an agent that carried it out already answers it from memory
 (``CellAgent.switch``), one that is idle carries it out, and no agent at all gets a
 ``SwitchFailed`` recorded for it.
+
+An agent that is subscribed but hung (it takes the command, never answers and writes
+nothing) is not waited on for ever. A command of the switch that times out while nothing
+was read from the cell counts as unanswered; any event of the cell's own read meanwhile
+starts the count again (an agent slow in a long phase still announces its phases). Once
+the command went unanswered ``max_resends + 1`` times (the first send and ``max_resends``
+re-sends; default :data:`MAX_RESENDS`, ``GYRE_SCHEDULER_MAX_RESENDS``), the scheduler
+declares the switch failed on the cell's behalf: at its next tick, if the fold still has
+the cell in that switch, it writes a ``SwitchFailed`` with ``declared_by_scheduler`` set
+(its reason starts with ``translate.DECLARED``), in the phase the log has, back in the lifecycle's safe role for
+that phase (``ROLLBACK``): ``inference`` on the way to training, ``training`` on the way
+back (conservative: the cell's training seat may still hold a micro-step, or its engine
+may not have its memory back); where the cell's real state is not known (its engine may
+have released its memory, its seat may have joined) the reason says so. The fold then has
+the cell *silent* (``core.state``): the policies start no switch for it and do not count
+it as serving until it is heard from. If the agent wakes up, its own events are taken as
+it writes them (a later phase of that switch, its outcome, a new registration), live as in
+a replay; a declaration that lands after the cell's own outcome is void. The agent itself
+looks for a declaration before each phase it starts and, if it finds one, rolls back and
+reports where it is (``CellAgent``).
 """
 
 from __future__ import annotations
@@ -46,8 +66,9 @@ from libs.common.events import Context, EventDecodeError, SwitchFailed, SwitchRe
 
 from .core import SchedulerState, Tick, decide
 from .core.facts import SwitchStarted
-from .core.lifecycle import SWITCH_PATH, Role
-from .core.translate import to_event
+from .core.lifecycle import ROLLBACK, SWITCH_PATH, CellPhase, Role
+from .core.state import Cell
+from .core.translate import declared_reason, to_event
 from .demand import Demand
 from .replay import CellsFold
 
@@ -59,17 +80,21 @@ SendSwitch = Callable[[str, str, str], Awaitable[dict[str, Any]]]  # cell, to_ro
 DEMAND_STREAMS = (Context.ROLLOUTS, Context.TREES, Context.TRAINING)
 SWITCH_TIMEOUT_S = 300.0  # a switch command's request timeout (services.cell.agent.request_switch)
 CATCH_UP_TIMEOUT_S = 60.0  # at start, for reading the demand streams to their ends
+MAX_RESENDS = 2  # re-sends of a switch's command that may go unanswered before it is declared failed
 
 
 class LiveScheduler:
     def __init__(self, *, run_id: str, bus: EventBus, policy: Any, proxy_stats: ProxyStats, send_switch: SendSwitch,
                  tick_s: float = 2.0, clock: Callable[[], float] = time.time,
                  groups_per_step: int | None = None, switch_timeout_s: float = SWITCH_TIMEOUT_S,
-                 catch_up_timeout_s: float = CATCH_UP_TIMEOUT_S) -> None:
+                 catch_up_timeout_s: float = CATCH_UP_TIMEOUT_S, max_resends: int = MAX_RESENDS) -> None:
+        if max_resends < 0:
+            raise ValueError(f"max_resends must be >= 0, got {max_resends}")
         self.run_id, self.bus, self.policy = run_id, bus, policy
         self.proxy_stats, self.send_switch = proxy_stats, send_switch
         self.tick_s, self.clock = tick_s, clock
         self.switch_timeout_s, self.catch_up_timeout_s = switch_timeout_s, catch_up_timeout_s
+        self.max_resends = max_resends
         self.fold = CellsFold()  # the state, and each cell's timeline (what a replay must rebuild)
         self.demand = Demand(groups_per_step=groups_per_step)
         self._to_send: dict[str, tuple[str, str]] = {}  # SwitchRequested id -> (cell, role), until read back
@@ -83,6 +108,9 @@ class LiveScheduler:
         self._heard: dict[str, float] = {}  # cell -> clock when its last event (or our last command) was seen
         self._sending: set[str] = set()  # cells with a command of ours waiting for its answer
         self._looked_back = False  # the commands the log may have left unsent were sent again
+        self._reports: dict[str, int] = {}  # cell -> events of the cell's own read (not ours)
+        self._unanswered: dict[str, int] = {}  # cell -> commands of its switch that timed out unheard
+        self._give_up: dict[str, tuple[str, str, int]] = {}  # cell -> (request, to role, sends): to declare
         self.final: dict[str, Any] | None = None  # the fold's summary once stopped
 
     def _apply(self, data: bytes) -> None:
@@ -106,8 +134,14 @@ class LiveScheduler:
             self._read_back[ev.event_id] = accepted
         if getattr(ev, "cell", None):  # every cells event but the water level's is one cell's
             self._heard[ev.cell] = self.clock()
+            if not isinstance(ev, SwitchRequested) and not _declared(ev):  # the cell's own word
+                self._reports[ev.cell] = self._reports.get(ev.cell, 0) + 1
+                self._unanswered.pop(ev.cell, None)
+                self._give_up.pop(ev.cell, None)
         if accepted and isinstance(ev, SwitchRequested):
             self._request[ev.cell] = ev.event_id
+            self._unanswered.pop(ev.cell, None)
+            self._give_up.pop(ev.cell, None)
 
     @property
     def state(self) -> SchedulerState:
@@ -173,6 +207,7 @@ class LiveScheduler:
             await self.bus.publish(event)  # a failure drops the tick's other facts; the next tick decides again
         await self.catch_up_cells()  # our events, in stream order after whatever came first
         self._send_accepted()
+        await self._declare_silent()
         self._send_again()
         return facts
 
@@ -201,7 +236,7 @@ class LiveScheduler:
         now = self.clock()
         for c in self.state.switching:
             request = self._request.get(c.name)
-            if c.name in self._sending or request is None:
+            if c.name in self._sending or c.name in self._give_up or request is None:
                 continue
             if first and c.phase is SWITCH_PATH[c.heading_to][0]:
                 why = "its request is in the log; the command may never have gone out"
@@ -219,6 +254,7 @@ class LiveScheduler:
         self._spawn(self._switch(cell, role, causation))
 
     async def _switch(self, cell: str, to_role: str, causation: str) -> None:
+        reports = self._reports.get(cell, 0)
         try:
             answer = await self.send_switch(cell, to_role, causation)
         except Exception as exc:
@@ -226,12 +262,55 @@ class LiveScheduler:
             log.error("scheduler: switch of %s to %s got no answer: %r", cell, to_role, exc)
             if _nobody_listening(exc):
                 await self._record_unanswered(cell, to_role, causation, exc)
-            # otherwise (a timeout) the agent may still be at work: its own events tell the
-            # rest, or the watchdog sends the command again (_send_again)
+            elif isinstance(exc, TimeoutError) and self._reports.get(cell, 0) == reports:
+                self._count_unanswered(cell, to_role, causation)
+            # otherwise the agent may still be at work: its own events tell the rest, or the
+            # watchdog sends the command again (_send_again)
         finally:
             self._sending.discard(cell)
             self._heard[cell] = self.clock()
         self.switch_answers.append({"cell": cell, "to_role": to_role, **answer})
+
+    def _count_unanswered(self, cell: str, to_role: str, causation: str) -> None:
+        """A command of the cell's current switch timed out and nothing was read from the
+        cell while it waited; past ``max_resends`` re-sends the next tick declares it failed."""
+        if self._request.get(cell) != causation:
+            return  # a command of a switch that is over
+        sends = self._unanswered.get(cell, 0) + 1
+        self._unanswered[cell] = sends
+        if sends > self.max_resends:
+            self._give_up[cell] = (causation, to_role, sends)
+            log.error("scheduler: %s answered none of %d sends of its switch to %s and wrote nothing: declaring "
+                      "the switch failed", cell, sends, to_role)
+        else:
+            log.warning("scheduler: %s answered none of %d send(s) of its switch to %s; sent again after %.0fs "
+                        "of silence (%d re-send(s) before it is declared failed)", cell, sends, to_role,
+                        self.switch_timeout_s, self.max_resends)
+
+    async def _declare_silent(self) -> None:
+        """Writes the ``SwitchFailed`` of each switch given up on (``_count_unanswered``),
+        if the fold, read to the stream's end just now, still has its cell in it; a
+        declaration whose publish fails is tried again next tick."""
+        for cell, (request, to_role, sends) in list(self._give_up.items()):
+            c = next((x for x in self.state.cells if x.name == cell), None)
+            if c is None or not c.switching or self._request.get(cell) != request or cell in self._sending:
+                self._give_up.pop(cell, None)  # the switch ended or moved on meanwhile
+                continue
+            back, why = declared_role(c)
+            reason = declared_reason(
+                f"the cell agent took the switch command to {to_role} and answered none of {sends} sends of it "
+                f"({self.switch_timeout_s:.0f}s each) nor wrote anything; the log has it {c.phase.value}; {why}")
+            event = SwitchFailed(run_id=self.run_id, cell=cell, role=back.value, phase=c.phase.value, reason=reason,
+                                 declared_by_scheduler=True, causation_id=request,
+                                 time=datetime.fromtimestamp(self.clock(), UTC))
+            try:
+                await self.bus.publish(event)
+            except Exception as exc:
+                log.error("scheduler: could not declare the switch of %s failed (again next tick): %r", cell, exc)
+                continue
+            self._give_up.pop(cell, None)
+            self._heard[cell] = self.clock()
+            log.error("scheduler: switch of %s declared failed: %s", cell, reason)
 
     async def _record_unanswered(self, cell: str, to_role: str, causation: str, exc: Exception) -> None:
         """No agent took the command, so no switch began: record it failed in its first
@@ -299,6 +378,38 @@ class LiveScheduler:
 
         await self.catch_up_cells()
         return {**summary(self.fold), "through_seq": self.cells_seq, "run_id": self.run_id}
+
+
+def declared_role(cell: Cell) -> tuple[Role, str]:
+    """The role a cell whose agent went silent half-way through a switch is declared back
+    in, and what is known of it: the lifecycle's safe role for the phase the log has (a
+    replay checks the same), with the doubts about the cell's real state spelled out."""
+    back = next(iter(ROLLBACK[cell.phase]))
+    phase = cell.phase
+    if phase in (CellPhase.DRAINING, CellPhase.MIGRATING):
+        why = ("back in inference: its engine still holds its memory, but the proxy may keep it drained until "
+               "its agent serves it again")
+    elif phase in (CellPhase.RELEASING, CellPhase.JOINING):
+        seat = " and its training seat may have joined training" if phase is CellPhase.JOINING else ""
+        why = (f"no safe role is known: its engine may have released its memory{seat}; back in inference, the "
+               "only rollback the lifecycle allows from here (conservative: the cell is not a training seat in "
+               "the schedule), not counted as serving until it is heard from")
+        if cell.is_core:
+            why += "; no satellite goes to training until the core is heard from"
+    elif phase is CellPhase.LEAVING:
+        why = ("no safe role is known: its training seat may still hold a micro-step; kept in training "
+               "(conservative: " + ("the core keeps the optimizer and stays the training group's root"
+                                    if cell.is_core else "the core does not leave training under it") + ")")
+    else:  # RESUMING
+        why = ("no safe role is known: its seat has left training but its engine may not have its memory back; "
+               "kept in training, the only rollback the lifecycle allows from here (conservative: it is not "
+               "counted as serving)")
+    return back, why
+
+
+def _declared(ev: Any) -> bool:
+    """A ``SwitchFailed`` the scheduler declared on a silent cell's behalf."""
+    return isinstance(ev, SwitchFailed) and ev.declared_by_scheduler
 
 
 def _nobody_listening(exc: Exception) -> bool:

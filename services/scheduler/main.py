@@ -8,7 +8,10 @@ Environment: ``GYRE_PROXY_URL`` (required: calls in flight per cell come from th
 ``GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT``; ``async``: ``GYRE_SCHEDULER_TRAINING_CELLS`` (1).
 ``GYRE_SCHEDULER_GROUPS_PER_STEP`` (else ``GYRE_TRAINER_GROUPS_PER_STEP``): a step's groups,
 so the core is not pulled in for an update (nor, under ``colocate``, every cell for the
-batch) before all of them have started.
+batch) before all of them have started. ``GYRE_SCHEDULER_MAX_RESENDS`` (2): re-sends of a
+switch's command a hung cell agent may leave unanswered (each after the 300 s request
+timeout and as long again of silence) before the scheduler declares the switch failed on
+the cell's behalf (``live.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import httpx
 from libs.common.service import ServiceContext, ServiceSpec
 
 from .core import AsyncPolicy, ColocatePolicy, ElasticPolicy
-from .live import SWITCH_TIMEOUT_S, LiveScheduler
+from .live import MAX_RESENDS, SWITCH_TIMEOUT_S, LiveScheduler
 
 
 def policy_from_env() -> Any:
@@ -43,10 +46,24 @@ def policy_from_env() -> Any:
     raise ValueError(f"GYRE_SCHEDULER_POLICY: expected elastic, colocate or async, got {name!r}")
 
 
+def max_resends_from_env() -> int:
+    raw = (os.environ.get("GYRE_SCHEDULER_MAX_RESENDS") or "").strip()
+    if not raw:
+        return MAX_RESENDS
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"GYRE_SCHEDULER_MAX_RESENDS: expected a whole number >= 0, got {raw!r}")
+    return value
+
+
 async def scheduler_main(ctx: ServiceContext) -> None:
     from services.cell.agent import request_switch
 
     settings = ctx.runtime.settings
+    max_resends = max_resends_from_env()
     proxy_url = os.environ.get("GYRE_PROXY_URL", "").strip()
     if not proxy_url:
         raise ValueError("GYRE_PROXY_URL is not set: the scheduler reads calls in flight from the proxy")
@@ -70,7 +87,7 @@ async def scheduler_main(ctx: ServiceContext) -> None:
     live = LiveScheduler(run_id=settings.run_id, bus=ctx.runtime.bus, policy=policy_from_env(),
                          proxy_stats=proxy_stats, send_switch=send_switch,
                          tick_s=float(os.environ.get("GYRE_SCHEDULER_TICK_S", "2")),
-                         groups_per_step=int(groups) if groups else None)
+                         groups_per_step=int(groups) if groups else None, max_resends=max_resends)
     ctx.health.ok(policy=live.policy.name)
 
     async def show() -> None:  # water level and roles for gyre up's live view

@@ -5,11 +5,16 @@
 and fails the first ``resume`` (an engine that cannot get its memory back).
 ``SaysNothingReleased`` wraps it too and, like SGLang's ``server_info``, never lists the
 memory released. ``IdleWorker`` is the core trainer's micro-step worker (a GPU trainer on
-a CPU machine): it runs until paused. Everything else in these tests is real: the
-embedded engines, the proxy, NATS, the trainer's join/leave gate.
+a CPU machine): it runs until paused. ``HangingRelease`` wraps the real engine control
+and hangs in ``release`` until woken (a cell agent stuck in a phase). ``SlowKvMover`` is
+the proxy's KV transfer port taking its time over each session (a slow network). Everything
+else in these tests is real: the embedded engines, the proxy, NATS, the trainer's
+join/leave gate.
 """
 
 from __future__ import annotations
+
+import asyncio
 
 
 class FailingSeat:
@@ -55,3 +60,26 @@ class SaysNothingReleased:
 class IdleWorker:
     async def run(self, pause) -> None:
         await pause.wait()
+
+
+class HangingRelease:
+    def __init__(self, real) -> None:
+        self.real, self.entered, self.wake = real, asyncio.Event(), asyncio.Event()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+    async def release(self) -> None:
+        self.entered.set()
+        await self.wake.wait()
+        await self.real.release()
+
+
+class SlowKvMover:
+    def __init__(self, delay_s: float) -> None:
+        self.delay_s, self.started = delay_s, 0
+
+    async def move(self, source, target, input_ids: list[int]) -> int:
+        self.started += 1
+        await asyncio.sleep(self.delay_s)
+        return 0

@@ -52,6 +52,9 @@ class SwitchFailed(Event):
     role: Role  # the role the cell is left in
     phase: str = Field(min_length=1)
     reason: str = Field(min_length=1)
+    # written by the scheduler on the cell's behalf: its agent took the switch command and
+    # answered none of its sends (the cell is then "silent" until it is heard from)
+    declared_by_scheduler: bool = False
 
 
 @register

@@ -75,7 +75,7 @@ class ElasticPolicy:
         out: list[SwitchStarted] = []
         core = state.core
         if tick.update_pending and core is not None and core.phase is CellPhase.INFERENCE:
-            others_serving = len(state.in_phase(CellPhase.INFERENCE)) - 1
+            others_serving = sum(1 for c in state.serving if not c.is_core)
             if others_serving >= self.min_inference_cells:  # else: once a returning cell serves
                 out.append(start(core, Role.TRAINING, tick, "core applies the step's update", level))
             return out
@@ -103,7 +103,7 @@ class ElasticPolicy:
         return tick.at - cell.since >= self.min_dwell_s
 
     def _release_candidate(self, state: SchedulerState, tick: Tick, *, ignore_dwell: bool) -> Cell | None:
-        serving = state.in_phase(CellPhase.INFERENCE)
+        serving = state.serving  # a silent cell neither counts as serving nor is released
         if len(serving) - 1 < self.min_inference_cells:
             return None
         ready = [c for c in serving if ignore_dwell or self._dwelt(c, tick)]

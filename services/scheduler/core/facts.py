@@ -100,13 +100,19 @@ class SwitchAborted:
     """A switch failed part-way; the cell reports the safe role it is left in and why.
 
     ``phase`` None: the cell refused the command before any phase (it was not in the role
-    the scheduler thought, e.g. after a restart); the role it reports is taken as is."""
+    the scheduler thought, e.g. after a restart); the role it reports is taken as is.
+
+    ``declared``: not the cell's word but the scheduler's, written on its behalf because its
+    agent took the command and never answered (``live.LiveScheduler``, the hung-agent
+    watchdog). The cell is then *silent* (``Cell.silent``) until it is heard from again;
+    a declaration that lands after the cell's own outcome is void (``state``)."""
 
     cell: str
     role: Role
     phase: CellPhase | None
     reason: str
     at: float
+    declared: bool = False
 
 
 @dataclass(frozen=True)

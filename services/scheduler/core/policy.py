@@ -35,7 +35,7 @@ from collections.abc import Iterable
 from typing import Protocol
 
 from .facts import Fact, Pressure, SwitchStarted, Tick, WaterLevelObserved
-from .lifecycle import CellPhase, IllegalTransition, Role
+from .lifecycle import IllegalTransition, Role
 from .state import Cell, SchedulerState, evolve
 
 
@@ -79,7 +79,9 @@ def smooth(state: SchedulerState, raw: float, at: float, tau_s: float) -> float:
 
 
 def serving_capacity(state: SchedulerState) -> int:
-    return sum(c.capacity for c in state.in_phase(CellPhase.INFERENCE))
+    """Calls the cells in inference serve at once; a silent cell (its agent stopped
+    answering half-way through a switch) is not counted: its engine may be released."""
+    return sum(c.capacity for c in state.serving)
 
 
 def observe(state: SchedulerState, tick: Tick, pressure: Pressure, raw: float, level: float) -> WaterLevelObserved:
@@ -109,6 +111,9 @@ def decide(state: SchedulerState, tick: Tick, policy: Policy) -> list[Fact]:
         cell = current.cell(switch.cell)
         if cell.last_failure is not None and tick.at - cell.since < RETRY_AFTER_FAILURE_S:
             held_back = True  # its last switch failed just now: do not drain it again every tick
+            continue
+        if cell.silent:
+            held_back = True  # its agent never answered the last command: not until it is heard from
             continue
         try:
             current = evolve(current, switch)  # each decision sees the ones before it

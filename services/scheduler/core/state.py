@@ -14,6 +14,17 @@ then move the satellites back. A failure may be reported in a phase the switch a
 passed (the agent announced the next one, the log stored it, the acknowledgement was lost:
 the agent reports the last phase it knows the log has); it rolls back from where the log
 says the cell is.
+
+A cell whose agent took a switch command and never answered is *declared* failed by the
+scheduler (``SwitchAborted(declared=True)``): it rolls back like any failure (the
+lifecycle's safe role for the phase the log has) and is marked ``silent``. A declaration
+never overrides the cell's own word: one that lands after the cell finished, failed or
+registered again (the cell is in a stable phase) is void. While the cell is silent, the
+agent's own word, if it wakes up, is taken as it comes: a phase it announces of the
+switch it was in puts the cell in that phase, its ``SwitchFinished`` or ``SwitchAborted``
+puts it in the role it reports, a registration in the role it states; any of them ends
+the silence. The policies do not start a switch for a silent cell and do not count it as
+serving (``SchedulerState.serving``): nothing is known of its engine until it speaks.
 """
 
 from __future__ import annotations
@@ -52,6 +63,9 @@ class Cell:
     since: float = 0.0  # when the current role or switch began
     switches: int = 0  # switches started, for flapping checks and reports
     last_failure: str | None = None
+    # the scheduler declared its switch failed (its agent never answered); nothing heard
+    # from the cell since. Cleared by any word of the cell's own (see the module docstring).
+    silent: bool = False
 
     @property
     def owns_optimizer(self) -> bool:
@@ -89,6 +103,11 @@ class SchedulerState:
 
     def in_phase(self, *phases: CellPhase) -> tuple[Cell, ...]:
         return tuple(c for c in self.cells if c.phase in phases)
+
+    @property
+    def serving(self) -> tuple[Cell, ...]:
+        """Cells in inference that can be counted on to serve (not silent)."""
+        return tuple(c for c in self.cells if c.phase is CellPhase.INFERENCE and not c.silent)
 
     def heading_to(self, role: Role) -> tuple[Cell, ...]:
         return tuple(c for c in self.cells if c.heading_to is role)
@@ -155,7 +174,7 @@ def _cell_registered_again(state: SchedulerState, known: Cell, fact: CellAdded) 
         raise IllegalTransition(f"cell {fact.cell}: capacity must be >= 1, got {fact.capacity}")
     note = None if known.phase is STABLE_PHASE[fact.role] else f"registered again as {fact.role.value} while {known.phase.value}"
     cell = replace(known, phase=STABLE_PHASE[fact.role], capacity=fact.capacity, since=fact.at,
-                   last_failure=note or known.last_failure)
+                   last_failure=note or known.last_failure, silent=False)
     return _put(state, cell)
 
 
@@ -179,25 +198,37 @@ def _switch_started(state: SchedulerState, fact: SwitchStarted) -> SchedulerStat
                 f"cell {cell.name}: the core cell cannot leave training while satellites "
                 f"{', '.join(in_training)} are in or heading to it"
             )
-    moved = replace(cell, phase=phase, since=fact.at, switches=cell.switches + 1)
+    moved = replace(cell, phase=phase, since=fact.at, switches=cell.switches + 1, silent=False)
     # A switch answers the current pressure: the next one must see it held again.
     return replace(_put(state, moved), pressure_since=fact.at)
 
 
 def _phase_reached(state: SchedulerState, fact: PhaseReached) -> SchedulerState:
     cell = state.cell(fact.cell)
+    if cell.silent and not fact.phase.is_stable and fact.phase.heading_to is not cell.heading_to:
+        # declared failed (rolled back to the role the switch left), but its agent woke up
+        # and goes on with the switch: it is where it says
+        return _put(state, replace(cell, phase=fact.phase, silent=False))
     phase = check_phase_reached(cell.name, cell.phase, fact.phase)
     return _put(state, replace(cell, phase=phase))
 
 
 def _switch_finished(state: SchedulerState, fact: SwitchFinished) -> SchedulerState:
     cell = state.cell(fact.cell)
+    if cell.silent:  # declared failed, but its agent finished the switch after all
+        return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=None,
+                                   silent=False))
     phase = check_switch_finished(cell.name, cell.phase, fact.role)
     return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=None))
 
 
 def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerState:
     cell = state.cell(fact.cell)
+    if fact.declared and cell.phase.is_stable:
+        return state  # the cell's own outcome (or registration) landed first: the declaration is void
+    if cell.silent and not fact.declared:  # its agent woke up and reports where it rolled back to
+        return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason,
+                                   silent=False))
     if fact.phase is None:  # refused before any phase: the cell's own word on its role stands
         return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason))
     if fact.phase is not cell.phase and fact.phase not in passed_on_path(cell.phase):
@@ -205,7 +236,7 @@ def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerStat
             f"cell {cell.name}: failure reported in {fact.phase.value} but the cell is {cell.phase.value}"
         )
     phase = check_rollback(cell.name, cell.phase, fact.role)
-    return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=fact.reason))
+    return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=fact.reason, silent=fact.declared))
 
 
 def _water_level_observed(state: SchedulerState, fact: WaterLevelObserved) -> SchedulerState:

@@ -6,7 +6,11 @@ starts at ``origin`` (a fixed date, so simulated logs are reproducible).
 - ``PhaseReached`` <-> ``SwitchPhaseEntered`` (a cell's progress through draining,
   migrating, releasing, joining, leaving and resuming).
 - ``SwitchAborted`` <-> ``SwitchFailed``; ``phase="refused"`` (the cell agent refused the
-  command: it was not in the role the scheduler thought) reads as ``phase=None``.
+  command: it was not in the role the scheduler thought) reads as ``phase=None``. A
+  ``SwitchFailed`` the scheduler declared on a silent cell's behalf (its agent took the
+  command and never answered) has ``declared_by_scheduler`` set (and a reason that starts
+  with :data:`DECLARED`, for people), and reads as ``SwitchAborted(declared=True)``: the
+  marker is in the log, so a replay reads it too.
 - ``WaterLevelObserved`` <-> ``WaterLevelSampled`` with the policy's ``pressure``,
   ``smoothed_level`` and ``training_backlog``, so a replay rebuilds the hysteresis state
   exactly. Events written without them read as ``steady``, the raw level and 0.
@@ -41,6 +45,12 @@ from .state import SchedulerState
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 REFUSED = "refused"  # SwitchFailed.phase of a command the cell refused before any phase
+DECLARED = "declared failed by the scheduler: "  # SwitchFailed.reason of a silent cell's switch
+
+
+def declared_reason(reason: str) -> str:
+    """The reason of a ``SwitchFailed`` the scheduler writes for a cell that went silent."""
+    return reason if reason.startswith(DECLARED) else DECLARED + reason
 
 
 def _other(role: Role) -> Role:
@@ -64,7 +74,9 @@ def to_event(
                                phase_timings=dict(fact.phase_timings), **env)
     if isinstance(fact, SwitchAborted):
         return SwitchFailed(cell=fact.cell, role=fact.role.value,
-                            phase=REFUSED if fact.phase is None else fact.phase.value, reason=fact.reason, **env)
+                            phase=REFUSED if fact.phase is None else fact.phase.value,
+                            reason=declared_reason(fact.reason) if fact.declared else fact.reason,
+                            declared_by_scheduler=fact.declared, **env)
     if isinstance(fact, WaterLevelObserved):
         by_role = state.roles_count() if state is not None else {}
         return WaterLevelSampled(level=fact.level, inference_capacity=fact.inference_capacity,
@@ -91,7 +103,8 @@ def from_event(event: Event, *, origin: datetime = EPOCH) -> Fact | None:
                               weight_version=event.weight_version, phase_timings=dict(event.phase_timings))
     if isinstance(event, SwitchFailed):
         phase = None if event.phase == REFUSED else CellPhase(event.phase)
-        return SwitchAborted(cell=event.cell, role=Role(event.role), phase=phase, reason=event.reason, at=at)
+        return SwitchAborted(cell=event.cell, role=Role(event.role), phase=phase, reason=event.reason, at=at,
+                             declared=event.declared_by_scheduler)
     if isinstance(event, WaterLevelSampled):
         return WaterLevelObserved(
             at=at, level=event.level, inference_capacity=event.inference_capacity,
