@@ -51,7 +51,7 @@ Relation = Literal["first", "extend", "retry", "rewrite"]
 
 # Drift classes of a call that continues right after its parent's reply, the first to do so
 # (libs/common/events/calls.py DriftClass; the proxy reuses the generated ids in all three).
-CONTINUES_PARENT: frozenset[str] = frozenset({"append", "template_drift", "reasoning_stripped", "retoken_drift"})
+CONTINUES_PARENT: frozenset[str] = frozenset({"append", "template_drift", "think_stripped", "retoken_drift"})
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,11 @@ def _label(tree, rules, c, line: _Line, prev: int | None, rel, summaries: set[in
         continues = (
             call.hints.kind == "post_compaction"
             or (prev is not None and prev in summaries)
-            or (rules.continuation_markers and _has_marker(call.new_input_ids, rules.continuation_markers))
+            # the markers only when the proxy did not classify the request: the proxy says
+            # post_compaction only where the summary comes in, so a later edit of the
+            # compacted history (whose new tokens hold the summary's text again) is an edit
+            or (call.hints.kind is None and rules.continuation_markers
+                and _has_marker(call.new_input_ids, rules.continuation_markers))
         )
         fork = "compaction" if c in summaries or continues else "edit"
     if fork is None:

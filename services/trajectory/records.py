@@ -26,7 +26,7 @@ ForkType = Literal["compaction", "subagent", "retry", "edit"]
 # The proxy's TITO match class (libs/common/events/calls.py DriftClass). The core compares
 # token paths in the tree, which says the same and more; forks.py uses the class only to
 # find which end of its line an ``append``/``template_drift``/``retoken_drift`` call continues.
-DriftClass = Literal["fresh", "append", "template_drift", "reasoning_stripped", "retoken_drift", "fork"]
+DriftClass = Literal["fresh", "append", "template_drift", "think_stripped", "retoken_drift", "fork"]
 
 ROLE_PRIORITY: tuple[BranchRole, ...] = ("main", "main_summary", "subagent", "subagent_summary")
 ROLES: frozenset[str] = frozenset(ROLE_PRIORITY)

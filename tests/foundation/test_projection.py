@@ -131,3 +131,17 @@ async def test_bad_event_is_dead_lettered_not_applied_and_projection_goes_on(eng
     else:
         reasons = [m.headers["Gyre-Dead-Reason"] async for m in bus.read_raw("GYRE_DEADLETTER")]
         assert len(reasons) == 1 and "rollout_id" in reasons[0]
+
+
+async def test_every_drift_class_fits_the_calls_read_model(engine, bus) -> None:
+    """PostgreSQL enforces the column's length (SQLite does not): each class the proxy can
+    record is stored, none dead-lettered."""
+    from libs.common.events.calls import DriftClass
+
+    calls = [CallRecorded(run_id=RUN, call_id=f"d-{d.value}", rollout_id="ro-d", session_id="s", api="openai_chat",
+                          new_input_digest=D, n_new_input_tokens=1, output_digest=D, logprobs_digest=D,
+                          n_output_tokens=1, drift=d) for d in DriftClass]
+    await bus.publish_many(calls)
+    assert await ProjectionRunner(engine, bus, readmodels).catch_up() == len(calls)
+    with Session(engine) as s:
+        assert sorted(r.drift for r in s.scalars(select(CallRow))) == sorted(d.value for d in DriftClass)

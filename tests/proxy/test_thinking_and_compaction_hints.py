@@ -3,7 +3,7 @@
 Drift after a thinking reply: Qwen3's chat template leaves the ``<think>...</think>`` block
 out of earlier assistant turns (and the reasoning never comes back in the messages), so
 the next call's reply check sees other text than the model wrote. When that block is the
-only difference, the class is ``reasoning_stripped``, not a template drift; any other
+only difference, the class is ``think_stripped``, not a template drift; any other
 difference is still ``template_drift``.
 
 ``post_compaction``: only the request that replaces the history with the summary, not
@@ -71,10 +71,10 @@ CLEAN = ["Two files.", "Listing.\n" + call_json()]  # replies both templates re-
 
 
 @pytest.mark.parametrize("reply", CLEAN)
-def test_a_reply_whose_only_change_is_the_dropped_thinking_is_reasoning_stripped(r, reply) -> None:
+def test_a_reply_whose_only_change_is_the_dropped_thinking_is_think_stripped(r, reply) -> None:
     assert second_call_drift(r, reply) is DriftClass.APPEND  # without thinking: clean
-    assert second_call_drift(r, THINK + reply) is DriftClass.REASONING_STRIPPED
-    assert second_call_drift(r, "<think>\nx\n</think>" + reply) is DriftClass.REASONING_STRIPPED
+    assert second_call_drift(r, THINK + reply) is DriftClass.THINK_STRIPPED
+    assert second_call_drift(r, "<think>\nx\n</think>" + reply) is DriftClass.THINK_STRIPPED
 
 
 def test_a_reply_with_thinking_and_another_change_is_template_drift(r) -> None:
@@ -120,7 +120,7 @@ OAI_TOOLS = [{"type": "function", "function": {"name": t.name, "description": t.
                                                "parameters": t.parameters}} for t in TOOLS]
 
 
-async def test_a_thinking_reply_sent_back_is_recorded_as_reasoning_stripped(renderer) -> None:
+async def test_a_thinking_reply_sent_back_is_recorded_as_think_stripped(renderer) -> None:
     svc, bus, c = await make(renderer, [THINK + "Two files.", "Good."])
     msgs = [{"role": "system", "content": "You are an agent."}, {"role": "user", "content": "What is here?"}]
     r1 = await c.post("/v1/chat/completions", json={"model": "m", "messages": msgs, "tools": OAI_TOOLS})
@@ -133,7 +133,7 @@ async def test_a_thinking_reply_sent_back_is_recorded_as_reasoning_stripped(rend
     await svc.drain_background()
     first, second = await events(bus, CallRecorded)
     assert second.parent_call_id == first.call_id and second.prefix_len > 0
-    assert (first.drift, second.drift) == (DriftClass.FRESH, DriftClass.REASONING_STRIPPED)
+    assert (first.drift, second.drift) == (DriftClass.FRESH, DriftClass.THINK_STRIPPED)
     svc.close()
 
 

@@ -26,7 +26,7 @@ from ._proxy_calls import SUMMARY_REQUEST, Msg, ProxyRecorder, bash, tool_result
 CLAUDE = HARNESS_RULES["claude_code"]
 GENERIC = HARNESS_RULES["openai_tools"]
 SAME_PROMPT = CallHints(system_digest="b" * 64)
-CONTINUES = ("append", "template_drift", "reasoning_stripped", "retoken_drift")
+CONTINUES = ("append", "template_drift", "think_stripped", "retoken_drift")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_every_drift_class_of_a_real_proxy_session(renderer):
     msgs += [reply, tool_result(reply, "a.py b.py")]
     appended, reply = rec.send(msgs, "<think>the bug is in a.py</think>\nReading a.py.")
     msgs += [reply, Msg("user", "go on")]
-    # the template drops the thinking (reasoning_stripped): the next call continues on the generated ids anyway
+    # the template drops the thinking (think_stripped): the next call continues on the generated ids anyway
     template, reply = rec.send(msgs, output_ids=renderer.encode("Hel") + renderer.encode("lo there"))
     msgs += [reply, Msg("user", "and?")]
     # "Hel" + "lo" re-encodes as "Hello": the next call keeps the generated ids
@@ -65,7 +65,7 @@ def test_every_drift_class_of_a_real_proxy_session(renderer):
     msgs += [reply, tool_result(reply, "ok")]
     summary, _ = rec.send(msgs[:-2] + [Msg("user", SUMMARY_REQUEST)], "<summary>a.py fixed</summary>")
     drifts = [c.drift for c in rec.calls]
-    assert drifts == ["fresh", "append", "reasoning_stripped", "retoken_drift", "append", "fork", "fork"]
+    assert drifts == ["fresh", "append", "think_stripped", "retoken_drift", "append", "fork", "fork"]
     _, labels, lab = _labels(rec.calls, CLAUDE, "drift classes")
     assert lab[fresh.call_id].relation == "first" and lab[fresh.call_id].fork is None
     for c in (appended, template, retoken, broken):

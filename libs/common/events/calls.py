@@ -25,7 +25,7 @@ class DriftClass(str, enum.Enum):
     TEMPLATE_DRIFT = "template_drift"  # the template re-renders the reply as other text (e.g. tool-call JSON spacing)
     # the template re-renders the reply without its <think> block (Qwen3 drops earlier turns'
     # reasoning) and otherwise as generated
-    REASONING_STRIPPED = "reasoning_stripped"
+    THINK_STRIPPED = "think_stripped"
     RETOKEN_DRIFT = "retoken_drift"  # same text, but re-encoding it gives other ids than generated
     FORK = "fork"  # history rewritten: compaction, edit, retry, a new sub-agent conversation
 

@@ -13,7 +13,7 @@ Drift classes (``DriftClass``) for the call that continues at a boundary:
 
 - after an earlier call's *reply*: ``append`` when the chat template would re-render that
   reply as exactly the generated ids; ``retoken_drift`` when it renders the same text but
-  re-encoding it gives other ids; ``reasoning_stripped`` when the only difference is the
+  re-encoding it gives other ids; ``think_stripped`` when the only difference is the
   reply's ``<think>...</think>`` block, which the template leaves out of earlier turns
   (Qwen3's documented behaviour; the reasoning never comes back in the messages either);
   ``template_drift`` when it renders other text than that. The engine gets the generated
@@ -414,7 +414,7 @@ class Tito:
         rendered = cur[len(prev):] if prev is not None and cur is not None and cur.startswith(prev) else None
         if rendered != shape.generation_prompt + generated + glue:
             if rendered is not None and rendered in without_thinking(shape.generation_prompt + generated, glue):
-                return glue, DriftClass.REASONING_STRIPPED
+                return glue, DriftClass.THINK_STRIPPED
             return glue, DriftClass.TEMPLATE_DRIFT
         gp = self.renderer.encode(shape.generation_prompt)
         if self.renderer.encode(rendered) != gp + list(output_ids) + self.renderer.encode(glue):
