@@ -74,13 +74,14 @@ class TrainerSection(_Section):
     staleness: int = Field(default=1, ge=0)  # samples older than this many weight versions are dropped
     keep_checkpoints: int | None = Field(default=None, ge=1)  # newest core checkpoints kept (None: all)
     # newest published weight versions whose blobs are kept: None is the trainer's default (3),
-    # "all" keeps every one; a count must be at least 2 (the newest and the one before it)
+    # "all" (or 0, as GYRE_TRAINER_KEEP_WEIGHTS takes it) keeps every one; a count must be at
+    # least 2 (the newest and the one before it)
     keep_weights: Literal["all"] | int | None = None
 
     @model_validator(mode="after")
     def _keep_weights_floor(self) -> "TrainerSection":
-        if isinstance(self.keep_weights, int) and self.keep_weights < 2:
-            raise ValueError(f"trainer.keep_weights must be at least 2 or 'all', not {self.keep_weights}")
+        if isinstance(self.keep_weights, int) and self.keep_weights != 0 and self.keep_weights < 2:
+            raise ValueError(f"trainer.keep_weights must be at least 2, or 'all' (or 0), not {self.keep_weights}")
         return self
 
 

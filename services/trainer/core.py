@@ -18,6 +18,8 @@ is a cell resuming or joining (the newest ``WeightsPublished``'s version) and an
 cell one version behind; replay reads checkpoints, not these. Older ones are deleted once
 a newer ``WeightsPublished`` is in the log, a blob shared by a kept version (a skipped
 step republishes the same bytes) never; a restarted core finds the older ones in the log.
+Each blob carries the run's id in its safetensors metadata, so runs sharing a blob bucket
+never share (and delete) one another's weight blobs.
 
 A step's size: ``MicroStepQueued.micro_steps_in_step`` when set, else every micro-step
 of ``groups_per_step`` groups, each read in full: ``MicroStepQueued.group_micro_steps``
@@ -339,7 +341,10 @@ class CoreTrainer:
         from safetensors.torch import save
 
         weights = {k: v.contiguous() for k, v in self.backend.hf_state_dict().items()}
-        digest = await self.blobs.put(save(_untied(weights)))
+        # the run's id in the file's metadata: blobs are content-addressed and runs may share a
+        # bucket, so two runs from the same model would otherwise share v0's blob, and one
+        # run's keep_weights would delete what the other still names
+        digest = await self.blobs.put(save(_untied(weights), metadata={"gyre_run_id": self.settings.run_id}))
         targets = await self.publish_to_cells(self.state.weight_version, weights) if self.publish_to_cells else []
         envelope = cause.caused() if cause is not None else {"run_id": self.settings.run_id}
         envelope["event_id"] = _event_id(self.settings.run_id, "WeightsPublished", self.state.weight_version)

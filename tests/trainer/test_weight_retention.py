@@ -12,12 +12,15 @@ import torch
 
 from libs.common.blobs import MemoryBlobStore
 from libs.common.events import Context, GroupQueued, WeightsPublished
-from services.trainer.core import DEFAULT_KEEP_WEIGHTS, CoreSettings
+from services.trainer.backends.torch_hf import TorchBackend
+from services.trainer.core import DEFAULT_KEEP_WEIGHTS, CoreSettings, CoreTrainer
 from services.trainer.main import ENV, keep_weights
 from services.trainer.publish import EnginePublisher
+from services.trainer.transfer import BlobTransfer
 from services.trainer.worker import BusWeightSource
 
-from .test_streaming import RUN, _cells, _events, _queue, _steps, _wait_version
+from .conftest import TINY
+from .test_streaming import CONFIG, RUN, _cells, _events, _queue, _steps, _wait_version
 
 
 async def _train(bus, blobs, tmp_path, *, keep, steps=2):
@@ -36,7 +39,7 @@ async def _train(bus, blobs, tmp_path, *, keep, steps=2):
 async def _held(bus, blobs) -> dict[int, bool]:
     """Published version -> whether its weights blob is still in the store."""
     return {e.weight_version: await blobs.has(e.checkpoint_digest)
-            for e in await _events(bus, Context.TRAINING, WeightsPublished)}
+            for e in await _events(bus, Context.TRAINING, WeightsPublished) if e.run_id == RUN}
 
 
 async def test_only_the_newest_published_versions_keep_their_weight_blobs(js_bus, tmp_path):
@@ -59,6 +62,20 @@ async def test_a_restarted_core_deletes_what_an_earlier_run_left(js_bus, tmp_pat
     await again.start()  # resumes at v2 and publishes it again
     assert again.state.weight_version == 2
     assert await _held(js_bus, blobs) == {0: False, 1: True, 2: True}
+
+
+async def test_another_run_from_the_same_weights_keeps_its_blob(js_bus, tmp_path):
+    """Runs share a blob bucket (content-addressed): another run started from the same model
+    publishes the same weights, yet this run's deletions never take that run's blob."""
+    blobs = MemoryBlobStore()
+    other = CoreTrainer(CoreSettings("other-run", train=CONFIG, checkpoint_dir=tmp_path / "other"),
+                        TorchBackend.tiny(TINY), bus=js_bus, blobs=blobs, gradients=BlobTransfer(blobs))
+    await other.start()  # its v0: the same weights this run starts from
+    (theirs,) = await _events(js_bus, Context.TRAINING, WeightsPublished)
+    await _train(js_bus, blobs, tmp_path, keep=2)
+    assert await _held(js_bus, blobs) == {0: False, 1: True, 2: True}
+    assert await blobs.has(theirs.checkpoint_digest)
+    assert await BusWeightSource(js_bus, blobs, "other-run").fetch(0)
 
 
 async def test_a_blob_that_kept_versions_share_is_never_deleted(js_bus, tmp_path):
