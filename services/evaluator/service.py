@@ -15,7 +15,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import re
 import uuid
 from collections import OrderedDict
@@ -97,14 +96,33 @@ class Evaluator:
         return isolation
 
     def _scratch_area(self) -> scratch.ScratchArea:
-        """This evaluator's folder under work_root (made on first use), where its workspaces go."""
-        if self._scratch is None or not self._scratch.held:
-            root = self.settings.work_root
-            root.mkdir(parents=True, exist_ok=True)
-            os.chmod(root, 0o711)  # sandbox uids must reach their folder, not list the others
-            self._scratch = scratch.ScratchArea.claim(root)
-            log.info("evaluator: scratch workspaces under %s", self._scratch.path)
+        """This evaluator's folder under work_root (made on first use), where its workspaces
+        go; a new one if ours was deleted or replaced meanwhile. Raises UnsafeWorkRoot when
+        work_root is not this uid's alone."""
+        area = self._scratch
+        if area is not None and area.held:
+            if area.intact:
+                return area
+            log.warning("evaluator: its scratch folder %s was deleted or replaced by someone else (work_root must be "
+                        "left to the evaluators); it makes a new one", area.path)
+            area.release(remove=False)  # nothing of ours left at that path: only the lock goes
+        root = self.settings.work_root
+        scratch.prepare_root(root)
+        self._scratch = scratch.ScratchArea.claim(root)
+        log.info("evaluator: scratch workspaces under %s", self._scratch.path)
         return self._scratch
+
+    def _new_workdir(self, rollout_id: str) -> Path:
+        """A new, empty workspace in our folder; if the folder vanished between the check and
+        the mkdir, once more in a new one."""
+        name = f"{subject_token(rollout_id)[:64]}-{uuid.uuid4().hex[:8]}"
+        workdir = self._scratch_area().path / name
+        try:
+            workdir.mkdir(mode=0o755)
+        except FileNotFoundError:  # gone since _scratch_area looked: it sees that now
+            workdir = self._scratch_area().path / name
+            workdir.mkdir(mode=0o755)
+        return workdir
 
     def _sweep(self, area: scratch.ScratchArea) -> None:
         swept = scratch.sweep(self.settings.work_root, own=area)
@@ -137,8 +155,7 @@ class Evaluator:
                 if may_retry:
                     raise TransientError(f"{exc!r}") from exc
                 raise _Unscorable(f"could not fetch the rollout's inputs: {exc!r}") from exc
-            workdir = self._scratch_area().path / f"{subject_token(ended.rollout_id)[:64]}-{uuid.uuid4().hex[:8]}"
-            workdir.mkdir(mode=0o755)
+            workdir = self._new_workdir(ended.rollout_id)
             try:
                 unpacked = await asyncio.to_thread(unpack_snapshot, data, workdir, self._unpack_limits())
             except UnsafeSnapshot as exc:

@@ -1,8 +1,11 @@
 """Scratch workspaces a killed evaluator left behind are deleted when an evaluator starts;
-those of an evaluator still running on the same work_root, and anything else there, are not."""
+those of an evaluator still running on the same work_root, and anything else there, are not.
+The lock is on each folder itself: nothing outside it decides whether it is live. A work_root
+that someone else could write in is refused."""
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import shutil
@@ -63,7 +66,6 @@ def _dead_evaluator(root: Path) -> str:
     proc, name = _other(root, "die")
     assert proc.wait(10) == -signal.SIGKILL
     assert (root / name / "r-1234-abcdef01" / "pkg" / "calc.py").exists()
-    assert (root / f"{name}.lock").exists()
     return name
 
 
@@ -71,11 +73,11 @@ async def test_a_killed_evaluators_workspaces_are_deleted_at_start(make_harness,
     dead = _dead_evaluator(root)
     caplog.set_level(logging.INFO, logger="services.evaluator")
     h = await make_harness(work_root=root)
-    assert not (root / dead).exists() and not (root / f"{dead}.lock").exists()
+    assert not (root / dead).exists()
     assert "deleted 1 scratch folder(s) left by evaluators no longer running" in caplog.text
     assert dead in caplog.text
     own = h.evaluator._scratch_area()
-    assert sorted(p.name for p in root.iterdir()) == sorted([own.name, own.lock_path.name])
+    assert [p.name for p in root.iterdir()] == [own.name]
 
     ev = await h.score(calc_spec("sweep-calc"), tar_of({"calc.py": CALC_OK}))  # and it still scores
     assert isinstance(ev, RolloutScored) and ev.score == 1.0
@@ -87,7 +89,6 @@ async def test_a_running_evaluators_workspaces_are_left_alone(make_harness, root
         caplog.set_level(logging.INFO, logger="services.evaluator")
         h = await make_harness(work_root=root)
         assert (root / alive / "r-1234-abcdef01" / "pkg" / "calc.py").exists()
-        assert (root / f"{alive}.lock").exists()
         assert "1 scratch folder(s) of other running evaluators" in caplog.text
         ev = await h.score(calc_spec("sweep-live"), tar_of({"calc.py": CALC_OK}))
         assert isinstance(ev, RolloutScored) and ev.score == 1.0
@@ -97,7 +98,7 @@ async def test_a_running_evaluators_workspaces_are_left_alone(make_harness, root
         proc.wait(10)
     # once it is gone, the next evaluator to start deletes its folder
     h2 = await make_harness(work_root=root)
-    assert not (root / alive).exists() and not (root / f"{alive}.lock").exists()
+    assert not (root / alive).exists()
     assert h.evaluator._scratch_area().path.is_dir(), "the first evaluator (in this process) still runs"
     h.evaluator.close()
     h2.evaluator.close()
@@ -107,8 +108,11 @@ async def test_a_running_evaluators_workspaces_are_left_alone(make_harness, root
 async def test_two_evaluators_in_one_process_keep_each_others_folders(make_harness, root: Path):
     first = await make_harness(work_root=root)
     (first.evaluator._scratch_area().path / "busy").mkdir()
-    await make_harness(work_root=root)  # flock is per open file, not per process
+    second = await make_harness(work_root=root)  # flock is per open file, not per process
     assert (first.evaluator._scratch_area().path / "busy").is_dir()
+    first_path = first.evaluator._scratch_area().path
+    second.evaluator.close()
+    assert first.evaluator._scratch_area().path == first_path and (first_path / "busy").is_dir()
 
 
 async def test_what_is_not_an_evaluators_scratch_folder_is_not_touched(make_harness, root: Path, tmp_path: Path):
@@ -123,6 +127,7 @@ async def test_what_is_not_an_evaluators_scratch_folder_is_not_touched(make_harn
         "evaluator-12-abc/f": "not our pattern either",
         "evaluator-12-abcdef012345x/f": "nor this",
         "evaluator-12-ABCDEF012345/f": "upper case: not ours",
+        "evaluator-13-0123456789ab": "our name, but a file: not ours",
     }
     for rel, text in theirs.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
@@ -137,13 +142,131 @@ async def test_what_is_not_an_evaluators_scratch_folder_is_not_touched(make_harn
     assert link.is_symlink() and (outside / "keep" / "f").read_text() == "mine"
 
 
-async def test_a_folder_whose_lock_file_is_gone_is_a_leftover(make_harness, root: Path):
-    name = "evaluator-4242-0123456789ab"
-    (root / name / "r-1-deadbeef").mkdir(parents=True)
-    (root / name / "r-1-deadbeef" / "f").write_text("x")
+async def test_old_style_lock_files_are_honoured_while_held_and_cleaned_up_once_free(make_harness, root: Path):
+    # what the previous version left: a folder with its lock file beside it, or a lock file alone
+    stale = "evaluator-4242-0123456789ab"
+    (root / stale / "r-1-deadbeef").mkdir(parents=True)
+    (root / stale / "r-1-deadbeef" / "f").write_text("x")
+    (root / f"{stale}.lock").write_text("pid 4242")
     (root / "evaluator-4243-0123456789ab.lock").write_text("a lock file alone")
+    # an evaluator of that version still running: it holds its lock file, not its folder
+    running = "evaluator-4244-0123456789ab"
+    (root / running / "r-2-deadbeef").mkdir(parents=True)
+    (root / f"{running}.lock").write_text("pid 4244")
+    fd = os.open(root / f"{running}.lock", os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        await make_harness(work_root=root)
+        assert not (root / stale).exists() and not (root / f"{stale}.lock").exists()
+        assert not (root / "evaluator-4243-0123456789ab.lock").exists()
+        assert (root / running / "r-2-deadbeef").is_dir() and (root / f"{running}.lock").exists()
+    finally:
+        os.close(fd)
+    await make_harness(work_root=root)  # its lock free now: a leftover
+    assert not (root / running).exists() and not (root / f"{running}.lock").exists()
+
+
+async def test_a_live_evaluators_folder_survives_others_sweeps_and_one_removed_anyway_is_replaced(
+        make_harness, root: Path, monkeypatch, tmp_path: Path, caplog):
+    # the review's case: the previous version's lock file aged out of /tmp (or rm *.lock), the
+    # next evaluator's sweep deleted the live folder, and every later rollout failed
+    h = await make_harness(work_root=root)
+    own = h.evaluator._scratch_area()
+    (own.path / "busy").mkdir()
+    proc, alive = _other(root, "live")
+    try:
+        other = await make_harness(work_root=root)  # another replica starts and sweeps
+        assert (own.path / "busy").is_dir() and (root / alive / "r-1234-abcdef01" / "pkg" / "calc.py").exists()
+        assert not list(root.glob("*.lock")), "no lock file of ours to lose"
+        swept = scratch.sweep(root)  # (own=None: ours is not spared by name)
+        assert swept.removed == [] and swept.busy == 3 and swept.failed == []
+        assert own.intact and other.evaluator._scratch_area().intact
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+    caplog.set_level(logging.WARNING, logger="services.evaluator")
+    fs.remove_tree(own.path)  # someone deletes it anyway
+    ev = await h.score(calc_spec("gone-calc"), tar_of({"calc.py": CALC_OK}))
+    assert isinstance(ev, RolloutScored) and ev.score == 1.0
+    assert "was deleted or replaced by someone else" in caplog.text and own.name in caplog.text
+    new = h.evaluator._scratch_area()
+    assert new.name != own.name and new.intact and not own.held and not own.path.exists()
+
+    # replaced by a link (by someone who may write in work_root): not followed, a new folder again
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rename(new.path, root / "moved-away")
+    new.path.symlink_to(elsewhere, target_is_directory=True)
+    ev = await h.score(calc_spec("link-calc"), tar_of({"calc.py": CALC_OK}))
+    assert isinstance(ev, RolloutScored) and ev.score == 1.0
+    assert list(elsewhere.iterdir()) == [] and h.evaluator._scratch_area().name not in (own.name, new.name)
+
+    # gone between the check and the workspace's mkdir: the rollout still scores
+    real, vanished = h.evaluator._scratch_area, []
+
+    def vanishing() -> scratch.ScratchArea:
+        area = real()
+        if not vanished:
+            vanished.append(area.name)
+            fs.remove_tree(area.path)
+        return area
+
+    monkeypatch.setattr(h.evaluator, "_scratch_area", vanishing)
+    ev = await h.score(calc_spec("race-calc"), tar_of({"calc.py": CALC_OK}))
+    assert isinstance(ev, RolloutScored) and ev.score == 1.0
+    assert vanished and real().name != vanished[0]
+
+
+async def test_a_work_root_others_could_write_in_is_refused(make_harness, root: Path, monkeypatch):
+    for mode, who in ((0o777, "its group and others"), (0o773, "its group and others"), (0o771, "its group"),
+                      (0o703, "others")):
+        os.chmod(root, mode)
+        with pytest.raises(scratch.UnsafeWorkRoot) as err:
+            await make_harness(work_root=root)  # start() refuses it
+        text = str(err.value)
+        assert str(root) in text and f"owner uid {os.geteuid()}" in text and f"writable by {who} " in text
+        assert f"mode {mode:04o}" in text and f"chmod 0711 {root}" in text and "GYRE_EVALUATOR_WORK_ROOT" in text
+        assert list(root.iterdir()) == [] and os.stat(root).st_mode & 0o7777 == mode, "nothing made, nothing changed"
+
+    # not owned by this uid: a real other owner as root, else this uid as seen by the evaluator changes
+    os.chmod(root, 0o755)
+    if os.geteuid() == 0:
+        os.chown(root, 4321, 4321)
+        owner, me = 4321, 0
+    else:
+        owner, me = os.geteuid(), os.geteuid() + 1
+        monkeypatch.setattr(scratch.os, "geteuid", lambda: me)
+    with pytest.raises(scratch.UnsafeWorkRoot) as err:
+        await make_harness(work_root=root)
+    monkeypatch.undo()
+    text = str(err.value)
+    assert f"work_root {root} is owned by uid {owner}, not by this evaluator's uid {me}" in text
+    assert "Delete it" in text and "GYRE_EVALUATOR_WORK_ROOT" in text and list(root.iterdir()) == []
+
+    # a link (even to a folder of ours) is not followed
+    os.chown(root, os.geteuid(), os.getegid())
+    mine = root / "mine"
+    mine.mkdir(mode=0o711)
+    link = root / "link"
+    link.symlink_to(mine, target_is_directory=True)
+    with pytest.raises(scratch.UnsafeWorkRoot, match=r"work_root .*/link is a symbolic link"):
+        await make_harness(work_root=link)
+    assert list(mine.iterdir()) == []
+
+
+async def test_work_root_is_made_0711_or_taken_if_ours_alone(make_harness, root: Path):
+    umask = os.umask(0)  # what a container may run with: still 0711, never 0777
+    try:
+        h = await make_harness(work_root=root / "made" / "here")
+    finally:
+        os.umask(umask)
+    assert os.stat(root / "made" / "here").st_mode & 0o7777 == 0o711
+    ev = await h.score(calc_spec("made-calc"), tar_of({"calc.py": CALC_OK}))
+    assert isinstance(ev, RolloutScored) and ev.score == 1.0
+    os.chmod(root, 0o755)  # ours, nobody else may write: taken, and set to 0711
     await make_harness(work_root=root)
-    assert not (root / name).exists() and not (root / "evaluator-4243-0123456789ab.lock").exists()
+    assert os.stat(root).st_mode & 0o7777 == 0o711
 
 
 async def test_a_leftover_that_cannot_be_deleted_is_logged_and_start_goes_on(make_harness, root: Path,
@@ -152,7 +275,7 @@ async def test_a_leftover_that_cannot_be_deleted_is_logged_and_start_goes_on(mak
     monkeypatch.setattr(fs, "remove_tree", lambda p: (_ for _ in ()).throw(PermissionError(13, "denied", str(p))))
     h = await make_harness(work_root=root)
     assert "could not delete the leftover scratch folder" in caplog.text and dead in caplog.text
-    assert (root / dead).exists() and (root / f"{dead}.lock").exists(), "kept whole, for the next start"
+    assert (root / dead / "r-1234-abcdef01" / "pkg" / "calc.py").exists(), "kept whole, for the next start"
     monkeypatch.undo()
     h.evaluator.close()
     await make_harness(work_root=root)
@@ -165,7 +288,7 @@ async def test_keep_workdirs_keeps_leftovers_and_its_own_folder(make_harness, ro
     assert (root / dead).exists()
     own = h.evaluator._scratch_area()
     h.evaluator.close()
-    assert own.path.is_dir() and not own.lock_path.exists(), "kept, and marked as a leftover"
+    assert own.path.is_dir() and not own.held, "kept, its lock dropped: a leftover"
     await make_harness(work_root=root)
     assert not (root / dead).exists() and not own.path.exists()
 
@@ -180,24 +303,45 @@ async def test_run_deletes_its_folder_when_it_stops(make_harness, root: Path):
     await asyncio.sleep(0.2)
     stop.set()
     await asyncio.wait_for(task, 15)
-    assert not own.path.exists() and not own.lock_path.exists()
+    assert not own.path.exists() and list(root.iterdir()) == []
 
 
-def test_a_lock_file_swept_between_open_and_flock_makes_the_owner_try_another_name(root: Path, monkeypatch):
+def test_a_folder_swept_between_mkdir_and_flock_makes_the_owner_try_another_name(root: Path, monkeypatch):
     real_flock, calls = scratch.fcntl.flock, []
 
     def flock_after_a_sweep(fd, op):
-        if not calls:  # the first claim's lock file: a sweep takes it and unlinks it first
+        if not calls:  # the first claim's folder: a sweep takes it and deletes it first
             calls.append(fd)
-            name = next(p for p in root.iterdir() if p.name.endswith(scratch.LOCK_SUFFIX))
-            assert scratch.sweep(root).removed == []
-            assert not name.exists()
+            (first,) = root.iterdir()
+            assert scratch.sweep(root).removed == [first.name]
+            assert not first.exists()
         return real_flock(fd, op)
 
     monkeypatch.setattr(scratch.fcntl, "flock", flock_after_a_sweep)
     area = scratch.ScratchArea.claim(root)
     monkeypatch.undo()
-    assert calls and area.lock_path.exists() and area.path.is_dir()
-    assert sorted(p.name for p in root.iterdir()) == sorted([area.name, area.lock_path.name])
+    assert calls and area.intact and area.path.is_dir()
+    assert [p.name for p in root.iterdir()] == [area.name]
     area.release()
     assert list(root.iterdir()) == []
+
+
+def test_a_folder_a_sweep_holds_when_its_owner_locks_it_is_left_to_that_sweep(root: Path, monkeypatch):
+    real_flock, held = scratch.fcntl.flock, []
+
+    def flock_while_a_sweep_holds_it(fd, op):
+        if not held:  # the first claim's folder: a sweep has just locked it
+            (first,) = root.iterdir()
+            held.append((first, os.open(first, os.O_RDONLY | os.O_DIRECTORY)))
+            real_flock(held[0][1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(scratch.fcntl, "flock", flock_while_a_sweep_holds_it)
+    area = scratch.ScratchArea.claim(root)
+    monkeypatch.undo()
+    first, fd = held[0]
+    assert area.name != first.name and area.intact
+    os.close(fd)  # that sweep gave up (or died): the next one deletes it, never the owner's
+    assert scratch.sweep(root, own=area).removed == [first.name]
+    assert [p.name for p in root.iterdir()] == [area.name]
+    area.release()

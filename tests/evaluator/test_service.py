@@ -42,12 +42,22 @@ async def test_pool_scores_good_and_bad_rollouts_concurrently_once_each(make_har
         await h.rollout("unknown-task", tar_of({"calc.py": CALC_OK})),
         await h.rollout(calc_spec(), b"corrupt" * 50),
     ]
+    # how many rollouts are scored at once (the pool's concurrency, not a timing)
+    evaluate, running, most = h.evaluator.evaluate, [0], [0]
+
+    async def counted(*args, **kwargs):
+        running[0] += 1
+        most[0] = max(most[0], running[0])
+        try:
+            return await evaluate(*args, **kwargs)
+        finally:
+            running[0] -= 1
+
+    h.evaluator.evaluate = counted
     stop = asyncio.Event()
-    t0 = time.monotonic()
     runner = asyncio.create_task(h.evaluator.run(stop))
     try:
         got = await wait_for(h.bus, len(ended))
-        elapsed = time.monotonic() - t0
         await asyncio.sleep(0.3)  # nothing more should come
         got = await outcomes(h.bus)
     finally:
@@ -64,9 +74,8 @@ async def test_pool_scores_good_and_bad_rollouts_concurrently_once_each(make_har
     assert isinstance(partial, RolloutScored) and partial.partial and partial.score == 0.25
     assert isinstance(unknown, RolloutScoringFailed) and "unknown task" in unknown.reason
     assert isinstance(corrupt, RolloutScoringFailed) and "tar" in corrupt.reason
-    # The two 1.5 s test runs overlap on two workers (one after the other, they would end > 1.5 s apart).
-    assert abs((first.time - second.time).total_seconds()) < 1.4
-    assert elapsed < 6.0, elapsed
+    # the two workers score at once (timings belong in benchmarks: this machine is shared)
+    assert most[0] == 2
     assert not h.bus.dead_letters
 
 
