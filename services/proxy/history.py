@@ -42,7 +42,8 @@ class RolloutState:
     call_session: dict[str, str] = field(default_factory=dict)
     logged: set[str] = field(default_factory=set)  # calls seen in the log by sync
     # chain hashes of conversations up to a compacted history's opening (summary) message,
-    # for calls this process recorded: a later request with the same opening is no new
+    # for the rollout's recorded calls (this process's, and from their match index blobs
+    # those loaded from the log): a later request with the same opening is no new
     # compaction (hints.request_kind), even when TITO matched none of its messages
     summaries: set[bytes] = field(default_factory=set)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -55,18 +56,33 @@ class RolloutInfo:
     weight_version: int = 0
 
 
-def encode_match_index(call_id: str, boundaries: list[tuple[bytes, Boundary]], continued: bytes | None) -> bytes:
+def encode_match_index(call_id: str, boundaries: list[tuple[bytes, Boundary]], continued: bytes | None,
+                       summary: bytes | None = None) -> bytes:
+    """The call's match index blob. ``summary``: the chain hash up to the compacted history's
+    opening (summary) message the call sent, if it sent one (``RolloutState.summaries``), so
+    that a replica that rebuilds the rollout from the log knows it as this one does."""
     rows = [[h.hex(), b.offset, b.kind, b.glue, b.drift.value] for h, b in boundaries]
-    body = {"call_id": call_id, "boundaries": rows, "continued": continued.hex() if continued else None}
+    body: dict[str, Any] = {"call_id": call_id, "boundaries": rows, "continued": continued.hex() if continued else None}
+    if summary is not None:
+        body["summary"] = summary.hex()
     return json.dumps(body, separators=(",", ":")).encode()
 
 
-def decode_match_index(data: bytes) -> tuple[list[tuple[bytes, Boundary]], bytes | None]:
+@dataclass
+class MatchIndex:
+    boundaries: list[tuple[bytes, Boundary]]
+    continued: bytes | None = None
+    summary: bytes | None = None
+
+
+def decode_match_index(data: bytes) -> MatchIndex:
+    """Blobs written before a field existed decode with it unset."""
     obj = json.loads(data)
     cid = obj["call_id"]
     rows = [(bytes.fromhex(h), Boundary(cid, off, kind, glue, DriftClass(drift)))
             for h, off, kind, glue, drift in obj["boundaries"]]
-    return rows, bytes.fromhex(obj["continued"]) if obj.get("continued") else None
+    return MatchIndex(rows, bytes.fromhex(obj["continued"]) if obj.get("continued") else None,
+                      bytes.fromhex(obj["summary"]) if obj.get("summary") else None)
 
 
 class RolloutBook:
@@ -155,11 +171,12 @@ class RolloutBook:
 
     async def _restore(self, st: RolloutState, ev: CallRecorded) -> None:
         new_ids, out_ids = await asyncio.gather(self.blobs.get(ev.new_input_digest), self.blobs.get(ev.output_digest))
-        boundaries: list[tuple[bytes, Any]] = []
-        continued = None
+        index = MatchIndex([])
         if ev.match_index_digest:
-            boundaries, continued = decode_match_index(await self.blobs.get(ev.match_index_digest))
+            index = decode_match_index(await self.blobs.get(ev.match_index_digest))
         tokens = CallTokens(ev.call_id, ev.parent_call_id, ev.prefix_len,
                             array.array("i", decode_tokens(new_ids)), array.array("i", decode_tokens(out_ids)))
-        st.tito.restore(tokens, boundaries, continued)
+        st.tito.restore(tokens, index.boundaries, index.continued)
+        if index.summary is not None:
+            st.summaries.add(index.summary)
         st.call_session[ev.call_id] = ev.session_id

@@ -13,6 +13,8 @@ Configuration (environment):
 - ``GYRE_PROXY_MAX_CONTEXT``: cap on a call's context (prompt + answer); the proxy also asks
   each cell for its ``context_length`` (``/server_info``) and keeps to the smallest, and
   until one answers (with no cap set) uses the tokenizer's ``model_max_length``;
+- ``GYRE_PROXY_RENDER_THREADS``: threads that render chat templates and tokenise off the
+  event loop (default 2; an integer >= 1);
 - ``GYRE_ADMIN_TOKEN``: token for ``/admin/*``;
 - ``GYRE_PROXY_KV_MOVER=port``: move KV blocks through the transfer port (Mooncake/UCX)
   when evacuating a cell, instead of the engines' HTTP export/import.
@@ -21,6 +23,7 @@ Configuration (environment):
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 
 from libs.common.service import ServiceContext
@@ -28,7 +31,11 @@ from libs.common.service import ServiceContext
 from .app import create_app
 from .core.routing import Router
 from .queue_metrics import RouterCollector
-from .service import ProxyConfig, ProxyService
+from .service import RENDER_THREADS, ProxyConfig, ProxyService
+
+log = logging.getLogger(__name__)
+
+CALLS_GRACE_S = 4.0  # at stop, how long calls in flight may still end (the framework gives main 10 s)
 
 
 def parse_cells(spec: str) -> dict[str, str]:
@@ -55,6 +62,16 @@ def positive_int_env(name: str) -> int | None:
     return value
 
 
+def proxy_config(run_id: str) -> ProxyConfig:
+    """The proxy's settings from the environment (see the module's docstring); a malformed
+    number is a ValueError that names its variable."""
+    return ProxyConfig(run_id=run_id, policy_model=os.environ.get("GYRE_POLICY_MODEL", "policy"),
+                       strict_models=os.environ.get("GYRE_PROXY_STRICT_MODELS") == "1",
+                       default_max_tokens=positive_int_env("GYRE_PROXY_DEFAULT_MAX_TOKENS"),
+                       max_context=positive_int_env("GYRE_PROXY_MAX_CONTEXT"),
+                       render_threads=positive_int_env("GYRE_PROXY_RENDER_THREADS") or RENDER_THREADS)
+
+
 def model_folder(model: str) -> str:
     from services.engine.model_store import resolve_model
 
@@ -68,10 +85,7 @@ async def proxy_main(ctx: ServiceContext) -> None:
 
     settings = ctx.runtime.settings
     renderer = await asyncio.to_thread(HFRenderer, model_folder(os.environ.get("GYRE_MODEL", "tiny-qwen")))
-    config = ProxyConfig(run_id=settings.run_id, policy_model=os.environ.get("GYRE_POLICY_MODEL", "policy"),
-                         strict_models=os.environ.get("GYRE_PROXY_STRICT_MODELS") == "1",
-                         default_max_tokens=positive_int_env("GYRE_PROXY_DEFAULT_MAX_TOKENS"),
-                         max_context=positive_int_env("GYRE_PROXY_MAX_CONTEXT"))
+    config = proxy_config(settings.run_id)
     service = ProxyService(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs, renderer=renderer, router=Router(),
                            clients={}, client_factory=lambda url: EngineClient(url, admin_token=settings.admin_token,
                                                                                timeout=600))
@@ -87,6 +101,11 @@ async def proxy_main(ctx: ServiceContext) -> None:
     watcher = asyncio.create_task(service.watch_cells(ctx.stop))  # cells marked down come back when healthy
     ctx.health.ok(cells=len(service.router.cells), model=str(renderer.folder))
     await ctx.stop.wait()
+    # the HTTP server still takes calls until this returns (and the bus closes): let the
+    # calls in flight end and be recorded now; any later one still is, while the bus is up
+    # (after close() the proxy renders on the loop)
+    if not await service.wait_calls(CALLS_GRACE_S):
+        log.warning("stopping with calls still in flight")
     await service.drain_background()
     for task in (follower, watcher):
         try:

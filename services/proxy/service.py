@@ -8,6 +8,7 @@ call (blobs first, then ``CallRecorded``) before the caller sees the end of the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
 import hmac
@@ -99,10 +100,31 @@ class ProxyService:
         self._background: set[asyncio.Task] = set()
         self._render_pool = ThreadPoolExecutor(max_workers=max(1, config.render_threads),
                                                thread_name_prefix="gyre-proxy-render")
+        self._closed = False
+        self._in_flight = 0  # serve() calls not finished yet
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     def close(self) -> None:
-        """Stop the render threads (work already handed to them finishes first)."""
+        """Stop the render threads (work already handed to them finishes first). Calls still
+        in flight go on and are recorded: ``off_loop`` then runs their work on the loop."""
+        self._closed = True
         self._render_pool.shutdown(wait=False)
+
+    async def wait_calls(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until no call is in flight and every record is written;
+        True if so. Before stopping: a call that ends later may find the bus closed."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if not self._idle.is_set():
+            try:
+                await asyncio.wait_for(self._idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return False
+        left = deadline - loop.time()
+        if self._background and left > 0:
+            await asyncio.wait(set(self._background), timeout=left)
+        return self._idle.is_set() and not self._background
 
     async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
         """``fn(*args)`` in a render thread: rendering a long history with the chat template
@@ -113,7 +135,12 @@ class ProxyService:
         time, in order. If the caller is cancelled meanwhile, this still waits for the worker
         before the cancellation goes on: the lock must not be released while a thread is
         still using the rollout's history (the next call of the rollout would plan on it at
-        the same time)."""
+        the same time).
+
+        After ``close()`` (the proxy is stopping; the pool takes no more work) it runs
+        ``fn`` here, on the loop: the calls still in flight finish and are recorded."""
+        if self._closed:
+            return fn(*args)
         fut = asyncio.get_running_loop().run_in_executor(self._render_pool, functools.partial(fn, *args))
         try:
             return await asyncio.shield(fut)
@@ -282,6 +309,18 @@ class ProxyService:
     # -- serving -----------------------------------------------------------------------
 
     async def serve(self, rollout_id: str, req: ChatRequest, hints: CallHints) -> AsyncIterator[GenEvent]:
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            async with contextlib.aclosing(self._serve(rollout_id, req, hints)) as events:
+                async for ev in events:
+                    yield ev
+        finally:
+            self._in_flight -= 1
+            if not self._in_flight:
+                self._idle.set()
+
+    async def _serve(self, rollout_id: str, req: ChatRequest, hints: CallHints) -> AsyncIterator[GenEvent]:
         self.resolve_model(req.model)
         st = self.book.state(rollout_id)
         async with st.lock:
@@ -406,10 +445,12 @@ class ProxyService:
         return n
 
     @staticmethod
-    def _remember_summary(st: RolloutState, call: "_Call", req: ChatRequest) -> None:
+    def _summary_hash(call: "_Call", req: ChatRequest) -> bytes | None:
+        """The chain hash up to the compacted history's summary the call sent, if it sent
+        one: kept in ``RolloutState.summaries`` and in the call's match index (a replica
+        that rebuilds the rollout from the log learns it there)."""
         at = continuation_index(req.messages)
-        if at is not None:
-            st.summaries.add(call.plan.hashes[at + 1])
+        return call.plan.hashes[at + 1] if at is not None else None
 
     def _hints(self, req: ChatRequest, hints: CallHints, reused: int = 0) -> SessionHints:
         system = req.messages[0].content if req.messages and req.messages[0].role == "system" else None
@@ -440,13 +481,15 @@ class ProxyService:
                 if self.book.states.get(st.rollout_id) is st:
                     del self.book.states[st.rollout_id]
             st.call_session[call.call_id] = call.session
-            self._remember_summary(st, call, req)
+            summary = self._summary_hash(call, req)
+            if summary is not None:
+                st.summaries.add(summary)
             digests = await asyncio.gather(
                 self.blobs.put(encode_tokens(call.plan.new_ids)), self.blobs.put(encode_tokens(call.output_ids)),
                 self.blobs.put(encode_logprobs(call.logprobs)),
                 self.blobs.put(encode_match_index(
                     call.call_id, boundaries,
-                    call.plan.hashes[call.plan.matched_messages] if call.plan.parent_call_id else None)))
+                    call.plan.hashes[call.plan.matched_messages] if call.plan.parent_call_id else None, summary)))
             ev = self._event(call, req, hints, digests, delivered)
             call.committed = True  # from here on the call is this event, whatever the ack says
             try:

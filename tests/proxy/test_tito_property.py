@@ -101,4 +101,4 @@ async def test_random_agent_runs_are_recorded_token_exactly(proxy, seed: int) ->
     assert reused, "continuing calls must reuse earlier tokens"
     assert any(r.event.prefix_len > len(recorded[r.event.parent_call_id].input_ids) for r in reused), \
         "some call must reuse generated tokens"
-    assert set(drifts) <= {"fresh", "append", "template_drift", "retoken_drift", "fork"}
+    assert set(drifts) <= {"fresh", "append", "think_stripped", "template_drift", "retoken_drift", "fork"}

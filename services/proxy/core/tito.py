@@ -426,14 +426,16 @@ def without_thinking(text: str, glue: str = "") -> tuple[str, ...]:
     """``text`` (a generation prompt and the reply written after it) with its thinking
     block left out as chat templates leave it out of earlier turns, then ``glue``: the
     span from ``<think>`` (which the generation prompt may hold) to the first ``</think>``,
-    with the newlines after it (Qwen3: ``content.split('</think>')[-1].lstrip('\\n')``)
-    or all whitespace after it. Empty when there is no complete thinking block."""
+    with the newlines after it (Qwen3: ``content.split('</think>')[-1].lstrip('\\n')``, as
+    the reply parser takes the text after the block). Only newlines: a template that also
+    drops other leading whitespace (``content | trim``) changes the reply whether or not it
+    thought, a template drift. Empty when there is no complete thinking block."""
     close = text.find(THINK_CLOSE)
     start = text.rfind(THINK_OPEN, 0, close) if close >= 0 else -1
     if start < 0:
         return ()
     head, rest = text[:start], text[close + len(THINK_CLOSE):]
-    return tuple(dict.fromkeys((head + rest.lstrip("\n") + glue, head + rest.lstrip() + glue)))
+    return (head + rest.lstrip("\n") + glue,)
 
 
 def _suffix(prefix: str, whole: str) -> str:
