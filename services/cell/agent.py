@@ -12,8 +12,9 @@ twice.
 A scheduler that heard nothing from a cell for several of its commands (the agent hung)
 declares the switch failed on the cell's behalf: a ``SwitchFailed`` with the command's
 causation id, written by the scheduler (``services.scheduler.live``). Before each phase it
-starts, the agent looks at the newest ``SwitchFailed`` of its cell; if it is such a
-declaration for the switch under way, the agent starts nothing more, rolls back as for a
+starts, the agent looks at the newest ``SwitchFailed`` of its cell; if it names the switch
+under way (its causation id; a declaration, or any record the scheduler wrote for it: the
+agent writes its own only once the switch is over), the agent starts nothing more, rolls back as for a
 failure in the last phase the log has (``core.rollback_role``, the same safe role the
 scheduler declared) and reports its own ``SwitchFailed``, which the scheduler takes as the
 cell's word. A phase already under way when the agent wakes up is finished; a switch whose
@@ -181,9 +182,12 @@ class CellAgent:
         return rec
 
     async def _declared_failed(self, causation_id: str | None) -> bool:
-        """Whether the newest ``SwitchFailed`` of this cell is the scheduler's declaration for
-        the switch under way (the agent writes its own only once the switch is over). Read
-        failures count as no: the scheduler's fold takes whatever the agent writes next."""
+        """Whether the newest ``SwitchFailed`` of this cell names the switch under way (its
+        causation id). The agent writes its own only once the switch is over, so one that
+        names it now was written for it: the scheduler's declaration, or its record of a
+        command no agent listened for (``declared_by_scheduler`` unset by a scheduler that
+        thought no agent took it, or by an older one). Read failures count as no: the
+        scheduler's fold takes whatever the agent writes next."""
         if causation_id is None:
             return False
         subject = f"gyre.{self.run_id}.{Context.CELLS.value}.{SwitchFailed.TYPE}.{subject_token(self.name)}"
@@ -192,7 +196,7 @@ class CellAgent:
             if raw is None:
                 return False
             ev = decode(raw.data)
-            return ev.declared_by_scheduler and ev.causation_id == causation_id
+            return isinstance(ev, SwitchFailed) and ev.causation_id == causation_id
         except Exception as exc:
             log.warning("cell %s: cannot read whether its switch was declared failed: %r", self.name, exc)
             return False

@@ -18,7 +18,12 @@ rebuild from the log alone.
 A command nobody answers (no cell agent subscribed: it is down) is recorded as a
 ``SwitchFailed`` on the cell's behalf, back in the role it had, so the cell does not stay
 half-way for good; a restarted agent registers again and the fold takes the role it
-states.
+states. That record is only for a switch no agent ever took: this scheduler's first send
+of it, the log has the cell in the switch's first phase, and no event of the cell's names
+the request. Where an agent may have taken it (a re-send, the cell past the first phase,
+or an event of its own for it), no subscriber now means the agent dropped off the bus
+(a hung agent whose connection the server closed): the switch is *declared* failed, as
+below.
 
 No switch is left half-way by a scheduler that stopped: before its first tick it reads
 the demand streams and the cells stream to their ends (``catch_up_demand``,
@@ -47,9 +52,15 @@ have released its memory, its seat may have joined) the reason says so. The fold
 the cell *silent* (``core.state``): the policies start no switch for it and do not count
 it as serving until it is heard from. If the agent wakes up, its own events are taken as
 it writes them (a later phase of that switch, its outcome, a new registration), live as in
-a replay; a declaration that lands after the cell's own outcome is void. The agent itself
-looks for a declaration before each phase it starts and, if it finds one, rolls back and
-reports where it is (``CellAgent``).
+a replay; a declaration that lands after the cell's own outcome is void, and so is one
+whose causation id is not the request of the cell's current switch (a late copy for an
+older switch). A declaration is built once, with an event id fixed by its request
+(:func:`declaration_id`), and published as is until stored, so JetStream drops a late
+copy. The agent itself looks for a ``SwitchFailed`` of its switch before each phase it
+starts and, if it finds one, rolls back and reports where it is (``CellAgent``).
+
+The step's update waits on the core; while the core is silent the policies do not switch
+it, and the scheduler logs once that the update waits on it.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from typing import Any
@@ -110,7 +122,13 @@ class LiveScheduler:
         self._looked_back = False  # the commands the log may have left unsent were sent again
         self._reports: dict[str, int] = {}  # cell -> events of the cell's own read (not ours)
         self._unanswered: dict[str, int] = {}  # cell -> commands of its switch that timed out unheard
-        self._give_up: dict[str, tuple[str, str, int]] = {}  # cell -> (request, to role, sends): to declare
+        # cell -> (request, to role, what went unanswered): switches to declare failed
+        self._give_up: dict[str, tuple[str, str, str]] = {}
+        self._declaring: dict[str, SwitchFailed] = {}  # cell -> its declaration, built once, tried until stored
+        self._sends: dict[str, int] = {}  # request id -> commands of it sent by this scheduler
+        self._taken: set[str] = set()  # request ids an event of their cell's own names (an agent took it)
+        self._declared_for: dict[str, int] = {}  # request id -> declarations of it read from the log
+        self._update_waits_on: str | None = None  # the silent core an update waits on (logged once)
         self.final: dict[str, Any] | None = None  # the fold's summary once stopped
 
     def _apply(self, data: bytes) -> None:
@@ -134,14 +152,22 @@ class LiveScheduler:
             self._read_back[ev.event_id] = accepted
         if getattr(ev, "cell", None):  # every cells event but the water level's is one cell's
             self._heard[ev.cell] = self.clock()
-            if not isinstance(ev, SwitchRequested) and not _declared(ev):  # the cell's own word
+            if _declared(ev) and ev.causation_id is not None:
+                self._declared_for[ev.causation_id] = self._declared_for.get(ev.causation_id, 0) + 1
+            elif not isinstance(ev, SwitchRequested):  # the cell's own word
                 self._reports[ev.cell] = self._reports.get(ev.cell, 0) + 1
                 self._unanswered.pop(ev.cell, None)
-                self._give_up.pop(ev.cell, None)
+                self._drop_give_up(ev.cell)
+                if ev.causation_id is not None:
+                    self._taken.add(ev.causation_id)
         if accepted and isinstance(ev, SwitchRequested):
             self._request[ev.cell] = ev.event_id
             self._unanswered.pop(ev.cell, None)
-            self._give_up.pop(ev.cell, None)
+            self._drop_give_up(ev.cell)
+
+    def _drop_give_up(self, cell: str) -> None:
+        self._give_up.pop(cell, None)
+        self._declaring.pop(cell, None)
 
     @property
     def state(self) -> SchedulerState:
@@ -195,6 +221,7 @@ class LiveScheduler:
                     busy_trainers=self.demand.busy_trainers)
         facts = decide(self.state, tick, self.policy)
         self.last_tick = tick
+        self._log_update_waiting(tick)
         for fact in facts:
             # the roles count in a water-level event is the state's before the tick's switches
             event = to_event(fact, self.run_id, state=self.state)
@@ -210,6 +237,19 @@ class LiveScheduler:
         await self._declare_silent()
         self._send_again()
         return facts
+
+    def _log_update_waiting(self, tick: Tick) -> None:
+        """The step's update waits on the core; a silent core is not switched (the policies
+        leave it alone until it is heard from): say so once each time it starts."""
+        core = self.state.core
+        waits_on = core.name if tick.update_pending and core is not None and core.silent else None
+        if waits_on is not None and waits_on != self._update_waits_on:
+            log.error("scheduler: the step's update waits on the core %s, which is silent (its agent answered none "
+                      "of its last switch's commands; it is %s in the log): no update until it is heard from",
+                      waits_on, core.phase.value if core is not None else "?")
+        elif waits_on is None and self._update_waits_on is not None:
+            log.info("scheduler: the core %s is heard from again (or no update waits)", self._update_waits_on)
+        self._update_waits_on = waits_on
 
     def _send_accepted(self) -> None:
         """Sends each switch whose request the fold has read back and accepted."""
@@ -250,6 +290,7 @@ class LiveScheduler:
 
     def _send(self, cell: str, role: str, causation: str) -> None:
         self._sending.add(cell)
+        self._sends[causation] = self._sends.get(causation, 0) + 1
         self._heard[cell] = self.clock()  # the watchdog counts from the command too
         self._spawn(self._switch(cell, role, causation))
 
@@ -261,7 +302,7 @@ class LiveScheduler:
             answer = {"ok": False, "cell": cell, "reason": repr(exc)}
             log.error("scheduler: switch of %s to %s got no answer: %r", cell, to_role, exc)
             if _nobody_listening(exc):
-                await self._record_unanswered(cell, to_role, causation, exc)
+                await self._nobody_listened(cell, to_role, causation, exc)
             elif isinstance(exc, TimeoutError) and self._reports.get(cell, 0) == reports:
                 self._count_unanswered(cell, to_role, causation)
             # otherwise the agent may still be at work: its own events tell the rest, or the
@@ -279,7 +320,8 @@ class LiveScheduler:
         sends = self._unanswered.get(cell, 0) + 1
         self._unanswered[cell] = sends
         if sends > self.max_resends:
-            self._give_up[cell] = (causation, to_role, sends)
+            self._give_up[cell] = (causation, to_role, f"answered none of {sends} sends of it "
+                                                       f"({self.switch_timeout_s:.0f}s each) nor wrote anything")
             log.error("scheduler: %s answered none of %d sends of its switch to %s and wrote nothing: declaring "
                       "the switch failed", cell, sends, to_role)
         else:
@@ -291,26 +333,56 @@ class LiveScheduler:
         """Writes the ``SwitchFailed`` of each switch given up on (``_count_unanswered``),
         if the fold, read to the stream's end just now, still has its cell in it; a
         declaration whose publish fails is tried again next tick."""
-        for cell, (request, to_role, sends) in list(self._give_up.items()):
+        for cell, (request, to_role, what) in list(self._give_up.items()):
             c = next((x for x in self.state.cells if x.name == cell), None)
             if c is None or not c.switching or self._request.get(cell) != request or cell in self._sending:
-                self._give_up.pop(cell, None)  # the switch ended or moved on meanwhile
+                self._drop_give_up(cell)  # the switch ended or moved on meanwhile
                 continue
-            back, why = declared_role(c)
-            reason = declared_reason(
-                f"the cell agent took the switch command to {to_role} and answered none of {sends} sends of it "
-                f"({self.switch_timeout_s:.0f}s each) nor wrote anything; the log has it {c.phase.value}; {why}")
-            event = SwitchFailed(run_id=self.run_id, cell=cell, role=back.value, phase=c.phase.value, reason=reason,
-                                 declared_by_scheduler=True, causation_id=request,
-                                 time=datetime.fromtimestamp(self.clock(), UTC))
+            event = self._declaring.get(cell)
+            if event is None:  # built once and tried as is until stored: a late copy is dropped by JetStream
+                back, why = declared_role(c)
+                reason = declared_reason(
+                    f"the cell agent took the switch command to {to_role} and {what}; the log has it "
+                    f"{c.phase.value}; {why}")
+                event = SwitchFailed(run_id=self.run_id, cell=cell, role=back.value, phase=c.phase.value,
+                                     reason=reason, declared_by_scheduler=True, causation_id=request,
+                                     event_id=declaration_id(request, self._declared_for.get(request, 0)),
+                                     time=datetime.fromtimestamp(self.clock(), UTC))
+                self._declaring[cell] = event
             try:
                 await self.bus.publish(event)
             except Exception as exc:
                 log.error("scheduler: could not declare the switch of %s failed (again next tick): %r", cell, exc)
                 continue
-            self._give_up.pop(cell, None)
+            self._drop_give_up(cell)
+            reason = event.reason
             self._heard[cell] = self.clock()
             log.error("scheduler: switch of %s declared failed: %s", cell, reason)
+
+    async def _nobody_listened(self, cell: str, to_role: str, causation: str, exc: Exception) -> None:
+        """No agent is subscribed to the cell's commands. If none ever took this switch's
+        command (this scheduler's first send of it, the log has the cell in the switch's
+        first phase and no event of the cell's names the request), no switch began: it is
+        recorded failed there (``_record_unanswered``). Otherwise an agent took it before
+        and dropped off the bus (e.g. a hung agent whose connection the server closed): it
+        is declared failed like any unanswered switch, in the phase the log has, and the
+        cell is silent until it is heard from."""
+        if self._request.get(cell) != causation:
+            log.warning("scheduler: no agent of %s listened for a switch that is over; nothing recorded", cell)
+            return
+        c = next((x for x in self.state.cells if x.name == cell), None)
+        if c is None or not c.switching:
+            return
+        first_phase = c.phase is SWITCH_PATH[Role(to_role)][0]
+        if first_phase and self._sends.get(causation, 0) <= 1 and causation not in self._taken:
+            await self._record_unanswered(cell, to_role, causation, exc)
+            return
+        sends = self._sends.get(causation, 0)
+        self._give_up[cell] = (causation, to_role,
+                               f"then no agent listened on its command subject ({type(exc).__name__} on send "
+                               f"{sends} of it)")
+        log.error("scheduler: %s took its switch to %s, and now no agent of it listens (%s; the log has it %s): "
+                  "declaring the switch failed", cell, to_role, type(exc).__name__, c.phase.value)
 
     async def _record_unanswered(self, cell: str, to_role: str, causation: str, exc: Exception) -> None:
         """No agent took the command, so no switch began: record it failed in its first
@@ -392,19 +464,31 @@ def declared_role(cell: Cell) -> tuple[Role, str]:
     elif phase in (CellPhase.RELEASING, CellPhase.JOINING):
         seat = " and its training seat may have joined training" if phase is CellPhase.JOINING else ""
         why = (f"no safe role is known: its engine may have released its memory{seat}; back in inference, the "
-               "only rollback the lifecycle allows from here (conservative: the cell is not a training seat in "
-               "the schedule), not counted as serving until it is heard from")
+               "only rollback the lifecycle allows from here, not counted as serving until it is heard from")
         if cell.is_core:
             why += "; no satellite goes to training until the core is heard from"
+        else:
+            why += ("; its seat may have joined (or join), so the core does not leave training until it is heard "
+                    "from")
     elif phase is CellPhase.LEAVING:
         why = ("no safe role is known: its training seat may still hold a micro-step; kept in training "
-               "(conservative: " + ("the core keeps the optimizer and stays the training group's root"
+               "(conservative: " + ("the core keeps the optimizer and stays the training group's root; no "
+                                    "satellite goes to training until it is heard from"
                                     if cell.is_core else "the core does not leave training under it") + ")")
     else:  # RESUMING
         why = ("no safe role is known: its seat has left training but its engine may not have its memory back; "
                "kept in training, the only rollback the lifecycle allows from here (conservative: it is not "
-               "counted as serving)")
+               "counted as serving" + ("; no satellite goes to training until the core is heard from"
+                                        if cell.is_core else "") + ")")
     return back, why
+
+
+def declaration_id(request: str, earlier: int) -> str:
+    """The event id of the scheduler's declaration that the switch started by ``request``
+    failed, after ``earlier`` declarations of it in the log (an agent that woke up may go on
+    with the switch and hang again): the same on every try, and for a scheduler that
+    restarted, so JetStream's de-duplication drops a late copy."""
+    return uuid.uuid5(uuid.NAMESPACE_URL, f"gyre:switch-declared:{request}:{earlier}").hex
 
 
 def _declared(ev: Any) -> bool:

@@ -10,6 +10,7 @@ import time
 from libs.common.events import (CellRegistered, Context, MicroStepQueued, SwitchCompleted, SwitchPhaseEntered,
                                 SwitchRequested)
 from services.scheduler.core import ElasticPolicy
+from services.scheduler.core.translate import DECLARED
 from services.scheduler.live import LiveScheduler
 
 RUN = "live"
@@ -319,10 +320,11 @@ async def test_a_request_a_stopped_scheduler_never_sent_goes_out_after_a_restart
     answer.set()
 
 
-async def test_a_switch_nothing_is_heard_of_is_sent_again_and_a_dead_agent_recorded(js_bus) -> None:
+async def test_a_switch_nothing_is_heard_of_is_sent_again_and_a_dead_agent_declared(js_bus) -> None:
     """c0's agent died half-way (the log has it migrating) and no command of ours waits on
     it: once nothing was heard of it for the request timeout, the command goes again;
-    nobody answers, so a SwitchFailed is recorded for it and it is back in inference."""
+    nobody answers. An agent took the switch (it is past its first phase), so the switch is
+    declared failed for it: back in inference, silent until it is heard from."""
     from nats.errors import NoRespondersError
 
     from services.scheduler.core import ColocatePolicy
@@ -358,9 +360,11 @@ async def test_a_switch_nothing_is_heard_of_is_sent_again_and_a_dead_agent_recor
         if live.switch_answers:
             break
     assert sent == [("c0", "training", request.event_id)]
+    await live.tick()  # the declaration is written at the next tick
     await live.catch_up_cells()
     c0 = live.state.cell("c0")
-    assert c0.phase.value == "inference" and "no cell agent answered" in c0.last_failure
+    assert c0.phase.value == "inference" and c0.silent
+    assert c0.last_failure.startswith(DECLARED) and "no agent listened" in c0.last_failure
     assert not live.fold.errors
     assert (await _replayed(bus, run)).state == live.state
 

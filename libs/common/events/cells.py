@@ -53,8 +53,11 @@ class SwitchFailed(Event):
     phase: str = Field(min_length=1)
     reason: str = Field(min_length=1)
     # written by the scheduler on the cell's behalf: its agent took the switch command and
-    # answered none of its sends (the cell is then "silent" until it is heard from)
-    declared_by_scheduler: bool = False
+    # answered none of its sends (the cell is then "silent" until it is heard from).
+    # Written only when set: every SwitchFailed an agent writes reads as it did before the
+    # field existed (a reader without it forbids unknown fields), so the schema version
+    # stays 1; one without it reads as False.
+    declared_by_scheduler: bool = Field(default=False, exclude_if=lambda v: not v)
 
 
 @register

@@ -4,7 +4,9 @@ Rules, in order, each tick:
 
 1. The step's update waits on the core: if every micro-step of the step is done and the
    core serves inference, the core switches to training now (no hold, no dwell), as long
-   as ``min_inference_cells`` others serve without it.
+   as ``min_inference_cells`` others serve without it. A silent core (its agent answered
+   none of its last switch's commands) is not switched: the update waits until it is
+   heard from, and the rules below go on for the other cells (``LiveScheduler`` logs it).
 2. ``release``: training work waits and the water level fits in the serving cells minus
    one at ``low_watermark`` utilisation -> after ``hold_s`` one cell switches to training:
    the core first (it roots the training group), then the most idle satellite.
@@ -18,6 +20,12 @@ Hysteresis keeps cells from flapping: the watermarks leave a band (release at
 ``low * (cap - 1 cell)``, reclaim above ``high * cap``); a pressure must hold ``hold_s``
 and every started switch restarts that clock; a cell keeps a role ``min_dwell_s``; at
 most ``max_switches_in_flight`` switches run at once.
+
+Silent cells (``Cell.silent``) are never candidates: they are left out before the
+candidates are cut to the switches wanted, so they take no slot. No satellite is released
+while the core is silent, and the core is not sent back to inference while a satellite is
+in the training group or silent where its seat may have joined (``Cell.may_train``); the
+fold (``core.state``) refuses both too.
 """
 
 from __future__ import annotations
@@ -74,7 +82,7 @@ class ElasticPolicy:
     def switches(self, state: SchedulerState, tick: Tick, level: float) -> list[SwitchStarted]:
         out: list[SwitchStarted] = []
         core = state.core
-        if tick.update_pending and core is not None and core.phase is CellPhase.INFERENCE:
+        if tick.update_pending and core is not None and core.phase is CellPhase.INFERENCE and not core.silent:
             others_serving = sum(1 for c in state.serving if not c.is_core)
             if others_serving >= self.min_inference_cells:  # else: once a returning cell serves
                 out.append(start(core, Role.TRAINING, tick, "core applies the step's update", level))
@@ -107,22 +115,20 @@ class ElasticPolicy:
         if len(serving) - 1 < self.min_inference_cells:
             return None
         ready = [c for c in serving if ignore_dwell or self._dwelt(c, tick)]
-        core = state.core
         for c in ready:
             if c.is_core:
                 return c
-        if core is None or core.heading_to is not Role.TRAINING:
-            return None  # satellites join only a training group the core roots
+        if not state.training_group_open:
+            return None  # satellites join only a training group the core roots (and is heard from)
         return min(ready, key=lambda c: (tick.cell_calls.get(c.name, 0), c.name), default=None)
 
     def _reclaimable(self, state: SchedulerState, tick: Tick) -> list[Cell]:
-        training = [c for c in state.in_phase(CellPhase.TRAINING) if self._dwelt(c, tick)]
+        training = [c for c in state.in_phase(CellPhase.TRAINING) if not c.silent and self._dwelt(c, tick)]
         satellites = [c for c in training if not c.is_core]
         # idle first, then the one whose micro-step ends soonest, then the latest to join
         left = tick.micro_step_left_s
         satellites.sort(key=lambda c: (c.name in tick.busy_trainers, left.get(c.name, 0.0), -c.since, c.name))
-        others_in_training = any(not c.is_core for c in state.heading_to(Role.TRAINING))
-        core = [c for c in training if c.is_core and not tick.training_wanted and not others_in_training]
+        core = [c for c in training if c.is_core and not tick.training_wanted and not state.training_satellites]
         return satellites + core
 
 
@@ -132,8 +138,8 @@ def _returning_capacity(state: SchedulerState) -> int:
 
 def _idle_trainers(state: SchedulerState, tick: Tick) -> list[Cell]:
     """Training cells with nothing to claim; the core only once it trains alone."""
-    idle = [c for c in state.in_phase(CellPhase.TRAINING) if c.name not in tick.busy_trainers]
+    idle = [c for c in state.in_phase(CellPhase.TRAINING) if c.name not in tick.busy_trainers and not c.silent]
     satellites = sorted((c for c in idle if not c.is_core), key=lambda c: c.name)
-    if satellites or any(not c.is_core for c in state.heading_to(Role.TRAINING)):
+    if satellites or state.training_satellites:
         return satellites
     return [c for c in idle if c.is_core]

@@ -75,6 +75,9 @@ class SwitchStarted:
     at: float
     reason: str
     water_level: float = 0.0
+    # the id of the SwitchRequested that records it (None for a fact not read from the log);
+    # not compared: a decided fact and the same fact read back are equal
+    request: str | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -105,7 +108,9 @@ class SwitchAborted:
     ``declared``: not the cell's word but the scheduler's, written on its behalf because its
     agent took the command and never answered (``live.LiveScheduler``, the hung-agent
     watchdog). The cell is then *silent* (``Cell.silent``) until it is heard from again;
-    a declaration that lands after the cell's own outcome is void (``state``)."""
+    a declaration that lands after the cell's own outcome is void (``state``), and so is
+    one whose ``causation`` (the id of the request of the switch it gives up on) is not
+    the cell's current switch."""
 
     cell: str
     role: Role
@@ -113,6 +118,7 @@ class SwitchAborted:
     reason: str
     at: float
     declared: bool = False
+    causation: str | None = field(default=None, compare=False)  # SwitchFailed.causation_id
 
 
 @dataclass(frozen=True)

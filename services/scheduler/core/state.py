@@ -6,8 +6,9 @@ away from it) raises :class:`IllegalTransition` with the cell and the reason, so
 scheduler refuses it and a replay of a corrupt log stops where the log went wrong.
 
 Checked on every switch start: the training group is rooted at the core cell. A satellite
-may start toward training only while the core is in or heading to training, and the core
-may start leaving training only once no satellite is in or heading to it. A failed or
+may start toward training only while the core is in or heading to training (and is not
+silent), and the core may start leaving training only once no satellite is in or heading
+to it (nor silent where its seat may have joined: below). A failed or
 refused switch, or a cell registering again after a restart, puts the cell in the role it
 reports, even where that breaks the rule (the cell's word on itself stands); the policies
 then move the satellites back. A failure may be reported in a phase the switch already
@@ -25,6 +26,23 @@ switch it was in puts the cell in that phase, its ``SwitchFinished`` or ``Switch
 puts it in the role it reports, a registration in the role it states; any of them ends
 the silence. The policies do not start a switch for a silent cell and do not count it as
 serving (``SchedulerState.serving``): nothing is known of its engine until it speaks.
+
+A declaration is matched to the switch it gives up on: the fold keeps the id of the
+``SwitchRequested`` that started each cell's current switch (``Cell.request``, read from
+the log; not part of the state digest) and a declaration whose causation id names another
+switch (a late copy for an older one) is void.
+
+Silence and the training group, both checked here, so a live scheduler and a replay refuse
+the same switches:
+
+- a satellite declared failed in ``releasing`` or ``joining`` is back in inference in the
+  schedule, but its seat may have joined (or join: an agent that wakes up finishes the
+  phase under way, and may announce the next one before it reads the declaration). While
+  it is silent it counts as in the training group (``Cell.may_train``): the core may not
+  start leaving training under it. Its late ``SwitchFinished(training)`` is then taken at
+  its word, inside a group the core still roots.
+- a silent core roots no new training group: no satellite may start toward training
+  while the core is silent, whatever role the declaration left it in.
 """
 
 from __future__ import annotations
@@ -66,6 +84,11 @@ class Cell:
     # the scheduler declared its switch failed (its agent never answered); nothing heard
     # from the cell since. Cleared by any word of the cell's own (see the module docstring).
     silent: bool = False
+    # the phase the log had when the declaration landed (None unless silent)
+    silent_in: CellPhase | None = None
+    # id of the SwitchRequested of the cell's current (or last) switch, when read from the
+    # log: a declaration naming another one is void. Not in the state digest.
+    request: str | None = None
 
     @property
     def owns_optimizer(self) -> bool:
@@ -79,6 +102,15 @@ class Cell:
     @property
     def switching(self) -> bool:
         return not self.phase.is_stable
+
+    @property
+    def may_train(self) -> bool:
+        """In or heading to training, or silent after a declaration where its seat may have
+        joined (releasing, joining): the core may not leave training under such a cell."""
+        return self.heading_to is Role.TRAINING or (self.silent and self.silent_in in _SEAT_MAY_HAVE_JOINED)
+
+
+_SEAT_MAY_HAVE_JOINED = frozenset({CellPhase.RELEASING, CellPhase.JOINING})
 
 
 @dataclass(frozen=True)
@@ -116,6 +148,18 @@ class SchedulerState:
     def switching(self) -> tuple[Cell, ...]:
         return tuple(c for c in self.cells if c.switching)
 
+    @property
+    def training_satellites(self) -> tuple[Cell, ...]:
+        """Satellites the core may not leave training under (``Cell.may_train``)."""
+        return tuple(c for c in self.cells if not c.is_core and c.may_train)
+
+    @property
+    def training_group_open(self) -> bool:
+        """A satellite may start toward training: the core is in or heading to training
+        and is not silent (a silent core roots no new training group)."""
+        core = self.core
+        return core is not None and core.heading_to is Role.TRAINING and not core.silent
+
     def pressure_held(self, at: float) -> float:
         """Seconds the current pressure has lasted (0 while steady)."""
         return 0.0 if self.pressure is Pressure.STEADY else at - self.pressure_since
@@ -140,6 +184,11 @@ def evolve_all(state: SchedulerState, facts: list[Fact] | tuple[Fact, ...]) -> S
     for fact in facts:
         state = evolve(state, fact)
     return state
+
+
+def _heard(cell: Cell, **changes: object) -> Cell:
+    """The cell with ``changes``, its own word heard: no longer silent."""
+    return replace(cell, silent=False, silent_in=None, **changes)  # type: ignore[arg-type]
 
 
 def _put(state: SchedulerState, cell: Cell) -> SchedulerState:
@@ -173,8 +222,8 @@ def _cell_registered_again(state: SchedulerState, known: Cell, fact: CellAdded) 
     if fact.capacity < 1:
         raise IllegalTransition(f"cell {fact.cell}: capacity must be >= 1, got {fact.capacity}")
     note = None if known.phase is STABLE_PHASE[fact.role] else f"registered again as {fact.role.value} while {known.phase.value}"
-    cell = replace(known, phase=STABLE_PHASE[fact.role], capacity=fact.capacity, since=fact.at,
-                   last_failure=note or known.last_failure, silent=False)
+    cell = _heard(known, phase=STABLE_PHASE[fact.role], capacity=fact.capacity, since=fact.at,
+                  last_failure=note or known.last_failure)
     return _put(state, cell)
 
 
@@ -186,19 +235,26 @@ def _core_toward_training(state: SchedulerState) -> bool:
 def _switch_started(state: SchedulerState, fact: SwitchStarted) -> SchedulerState:
     cell = state.cell(fact.cell)
     phase = check_switch_start(cell.name, cell.phase, fact.to_role)
-    if fact.to_role is Role.TRAINING and not cell.is_core and not _core_toward_training(state):
+    if fact.to_role is Role.TRAINING and not cell.is_core and not state.training_group_open:
+        if _core_toward_training(state):
+            raise IllegalTransition(
+                f"cell {cell.name}: a satellite cannot move to training while the core cell is silent "
+                "(its agent answered none of its last switch's commands)"
+            )
         raise IllegalTransition(
             f"cell {cell.name}: a satellite cannot move to training while the core cell "
             "is not in or heading to training"
         )
     if fact.to_role is Role.INFERENCE and cell.is_core:
-        in_training = [c.name for c in state.heading_to(Role.TRAINING) if not c.is_core]
+        in_training = [c.name + (" (silent, its seat may have joined)" if c.heading_to is not Role.TRAINING else "")
+                       for c in state.training_satellites]
         if in_training:
             raise IllegalTransition(
                 f"cell {cell.name}: the core cell cannot leave training while satellites "
                 f"{', '.join(in_training)} are in or heading to it"
             )
-    moved = replace(cell, phase=phase, since=fact.at, switches=cell.switches + 1, silent=False)
+    moved = _heard(cell, phase=phase, since=fact.at, switches=cell.switches + 1,
+                   request=fact.request)
     # A switch answers the current pressure: the next one must see it held again.
     return replace(_put(state, moved), pressure_since=fact.at)
 
@@ -208,16 +264,19 @@ def _phase_reached(state: SchedulerState, fact: PhaseReached) -> SchedulerState:
     if cell.silent and not fact.phase.is_stable and fact.phase.heading_to is not cell.heading_to:
         # declared failed (rolled back to the role the switch left), but its agent woke up
         # and goes on with the switch: it is where it says
-        return _put(state, replace(cell, phase=fact.phase, silent=False))
+        return _put(state, _heard(cell, phase=fact.phase))
     phase = check_phase_reached(cell.name, cell.phase, fact.phase)
     return _put(state, replace(cell, phase=phase))
 
 
 def _switch_finished(state: SchedulerState, fact: SwitchFinished) -> SchedulerState:
     cell = state.cell(fact.cell)
-    if cell.silent:  # declared failed, but its agent finished the switch after all
-        return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=None,
-                                   silent=False))
+    if cell.silent:
+        # declared failed, but its agent finished the switch after all: it is where it says.
+        # A satellite silent from releasing or joining held the core in training
+        # (Cell.may_train), so its join lands in a group the core still roots, unless the
+        # core's own word (a registration) moved it meanwhile: the policies move it back.
+        return _put(state, _heard(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=None))
     phase = check_switch_finished(cell.name, cell.phase, fact.role)
     return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=None))
 
@@ -226,9 +285,10 @@ def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerStat
     cell = state.cell(fact.cell)
     if fact.declared and cell.phase.is_stable:
         return state  # the cell's own outcome (or registration) landed first: the declaration is void
+    if fact.declared and None not in (fact.causation, cell.request) and fact.causation != cell.request:
+        return state  # a late declaration for an older switch of the cell's: void for this one
     if cell.silent and not fact.declared:  # its agent woke up and reports where it rolled back to
-        return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason,
-                                   silent=False))
+        return _put(state, _heard(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason))
     if fact.phase is None:  # refused before any phase: the cell's own word on its role stands
         return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason))
     if fact.phase is not cell.phase and fact.phase not in passed_on_path(cell.phase):
@@ -236,7 +296,10 @@ def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerStat
             f"cell {cell.name}: failure reported in {fact.phase.value} but the cell is {cell.phase.value}"
         )
     phase = check_rollback(cell.name, cell.phase, fact.role)
-    return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=fact.reason, silent=fact.declared))
+    if fact.declared:
+        return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=fact.reason, silent=True,
+                                   silent_in=cell.phase))
+    return _put(state, _heard(cell, phase=phase, since=fact.at, last_failure=fact.reason))
 
 
 def _water_level_observed(state: SchedulerState, fact: WaterLevelObserved) -> SchedulerState:

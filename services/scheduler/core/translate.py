@@ -10,7 +10,9 @@ starts at ``origin`` (a fixed date, so simulated logs are reproducible).
   ``SwitchFailed`` the scheduler declared on a silent cell's behalf (its agent took the
   command and never answered) has ``declared_by_scheduler`` set (and a reason that starts
   with :data:`DECLARED`, for people), and reads as ``SwitchAborted(declared=True)``: the
-  marker is in the log, so a replay reads it too.
+  marker is in the log, so a replay reads it too. Its ``causation_id`` (the request of the
+  switch it gives up on) reads as ``SwitchAborted.causation``; a ``SwitchRequested``'s
+  ``event_id`` reads as ``SwitchStarted.request``, so the fold matches the two.
 - ``WaterLevelObserved`` <-> ``WaterLevelSampled`` with the policy's ``pressure``,
   ``smoothed_level`` and ``training_backlog``, so a replay rebuilds the hysteresis state
   exactly. Events written without them read as ``steady``, the raw level and 0.
@@ -76,7 +78,7 @@ def to_event(
         return SwitchFailed(cell=fact.cell, role=fact.role.value,
                             phase=REFUSED if fact.phase is None else fact.phase.value,
                             reason=declared_reason(fact.reason) if fact.declared else fact.reason,
-                            declared_by_scheduler=fact.declared, **env)
+                            declared_by_scheduler=fact.declared, causation_id=fact.causation, **env)
     if isinstance(fact, WaterLevelObserved):
         by_role = state.roles_count() if state is not None else {}
         return WaterLevelSampled(level=fact.level, inference_capacity=fact.inference_capacity,
@@ -97,14 +99,14 @@ def from_event(event: Event, *, origin: datetime = EPOCH) -> Fact | None:
                          at=at, is_core=event.is_core)
     if isinstance(event, SwitchRequested):
         return SwitchStarted(cell=event.cell, to_role=Role(event.to_role), at=at,
-                             reason=event.reason, water_level=event.water_level)
+                             reason=event.reason, water_level=event.water_level, request=event.event_id)
     if isinstance(event, SwitchCompleted):
         return SwitchFinished(cell=event.cell, role=Role(event.role), at=at,
                               weight_version=event.weight_version, phase_timings=dict(event.phase_timings))
     if isinstance(event, SwitchFailed):
         phase = None if event.phase == REFUSED else CellPhase(event.phase)
         return SwitchAborted(cell=event.cell, role=Role(event.role), phase=phase, reason=event.reason, at=at,
-                             declared=event.declared_by_scheduler)
+                             declared=event.declared_by_scheduler, causation=event.causation_id)
     if isinstance(event, WaterLevelSampled):
         return WaterLevelObserved(
             at=at, level=event.level, inference_capacity=event.inference_capacity,
