@@ -125,6 +125,8 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
             return err(api, e)
         except Exception as e:
             return err(api, internal_error(e))
+        finally:
+            await events.aclose()  # the call ends now (not when the collector finalises it)
         if fin is None:
             return Response(status_code=499)
         _count(metrics, api, fin, started)

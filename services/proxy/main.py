@@ -101,9 +101,10 @@ async def proxy_main(ctx: ServiceContext) -> None:
     watcher = asyncio.create_task(service.watch_cells(ctx.stop))  # cells marked down come back when healthy
     ctx.health.ok(cells=len(service.router.cells), model=str(renderer.folder))
     await ctx.stop.wait()
-    # the HTTP server still takes calls until this returns (and the bus closes): let the
-    # calls in flight end and be recorded now; any later one still is, while the bus is up
-    # (after close() the proxy renders on the loop)
+    # the HTTP server still takes calls until this returns (and the bus closes): new ones
+    # are turned away (503: the caller's SDK sends them again, to another replica or after
+    # a restart), and the calls in flight end and are recorded now, while the bus is up
+    service.stopping = True
     if not await service.wait_calls(CALLS_GRACE_S):
         log.warning("stopping with calls still in flight")
     await service.drain_background()

@@ -101,6 +101,9 @@ class ProxyService:
         self._render_pool = ThreadPoolExecutor(max_workers=max(1, config.render_threads),
                                                thread_name_prefix="gyre-proxy-render")
         self._closed = False
+        # set when the proxy begins to stop: new calls are turned away (503, the caller's SDK
+        # sends them again), so that the calls in flight can end and be recorded first
+        self.stopping = False
         self._in_flight = 0  # serve() calls not finished yet
         self._idle = asyncio.Event()
         self._idle.set()
@@ -309,6 +312,8 @@ class ProxyService:
     # -- serving -----------------------------------------------------------------------
 
     async def serve(self, rollout_id: str, req: ChatRequest, hints: CallHints) -> AsyncIterator[GenEvent]:
+        if self.stopping:
+            raise ApiError(503, "overloaded", "the proxy is stopping; send the call again")
         self._in_flight += 1
         self._idle.clear()
         try:

@@ -205,6 +205,27 @@ async def test_wait_calls_waits_for_the_calls_in_flight_and_their_records(render
     svc.close()
 
 
+async def test_a_stopping_proxy_turns_new_calls_away_and_a_finished_call_is_out_of_flight(renderer) -> None:
+    """At stop the HTTP server still takes calls: new ones get a 503 the SDKs retry (and are
+    neither run nor recorded), so waiting for the calls in flight is enough; a plain call is
+    out of flight as soon as it is answered."""
+    bus, blobs = InMemoryBus(), MemoryBlobStore()
+    await started(bus)
+    gate = asyncio.Event()
+    gate.set()
+    svc, c = proxy(renderer, bus, blobs, GatedCell(renderer.tokenizer, gate))
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+    assert svc._in_flight == 0 and await svc.wait_calls(0)
+    svc.stopping = True
+    r = await c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 503 and r.headers["x-should-retry"] == "true"
+    assert "stopping" in r.json()["error"]["message"]
+    await svc.drain_background()
+    assert len(await recorded(bus)) == 1  # the first call only
+    svc.close()
+
+
 async def test_after_close_off_loop_runs_on_the_loop(renderer) -> None:
     svc = ProxyService(ProxyConfig(run_id=RUN), bus=InMemoryBus(), blobs=MemoryBlobStore(), renderer=renderer,
                        router=Router(), clients={})

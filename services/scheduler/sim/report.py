@@ -71,11 +71,13 @@ def _canon(value: Any) -> str:
 
 
 def schedule_digest(facts: tuple[Fact, ...] | list[Fact]) -> str:
-    """sha256 over every fact, fields in order, floats to the microsecond."""
+    """sha256 over every fact, fields in order, floats to the microsecond; the log ids a
+    fact carries (fields outside its equality: which request it answers) are left out, as
+    they say nothing of the schedule."""
     h = hashlib.sha256()
     for fact in facts:
         parts = [type(fact).__name__] + [
-            f"{f.name}={_canon(getattr(fact, f.name))}" for f in dataclasses.fields(fact)
+            f"{f.name}={_canon(getattr(fact, f.name))}" for f in dataclasses.fields(fact) if f.compare
         ]
         h.update(("|".join(parts) + "\n").encode())
     return h.hexdigest()
