@@ -18,6 +18,7 @@ import math
 import re
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -66,6 +67,10 @@ class TransientError(RuntimeError):
     """The blob store or bus failed, not the rollout: worth another delivery."""
 
 
+class _WorkspaceGone(Exception):
+    """The rollout's scratch workspace was deleted or replaced while it was scored."""
+
+
 @dataclass
 class Evaluator:
     settings: EvaluatorSettings
@@ -112,17 +117,38 @@ class Evaluator:
         log.info("evaluator: scratch workspaces under %s", self._scratch.path)
         return self._scratch
 
-    def _new_workdir(self, rollout_id: str) -> Path:
-        """A new, empty workspace in our folder; if the folder vanished between the check and
-        the mkdir, once more in a new one."""
+    def _new_workspace(self, rollout_id: str) -> scratch.Workspace:
+        """A new, empty workspace in our folder, held open; if the folder vanished between the
+        check and the mkdir, once more in a new one. Raises ScratchError when no folder of
+        our own can be had."""
         name = f"{subject_token(rollout_id)[:64]}-{uuid.uuid4().hex[:8]}"
-        workdir = self._scratch_area().path / name
         try:
-            workdir.mkdir(mode=0o755)
+            return self._scratch_area().workspace(name)
         except FileNotFoundError:  # gone since _scratch_area looked: it sees that now
-            workdir = self._scratch_area().path / name
-            workdir.mkdir(mode=0o755)
-        return workdir
+            return self._scratch_area().workspace(name)
+
+    def _workspace_for(self, ended: RolloutEnded, *, may_retry: bool) -> scratch.Workspace:
+        try:
+            return self._new_workspace(ended.rollout_id)
+        except scratch.ScratchError as exc:
+            log.error("evaluator: rollout %s: no scratch folder of its own to score it in (%s); %s", ended.rollout_id,
+                      exc, "it is scored on a later delivery" if may_retry else "last delivery: it fails")
+            if may_retry:  # work_root is the evaluator's trouble, not the rollout's: redelivered
+                raise TransientError(f"no scratch folder: {exc}") from exc
+            raise _Unscorable(f"the evaluator had no scratch folder to score it in: {exc}") from exc
+
+    def _workspace_gone(self, ended: RolloutEnded, ws: scratch.Workspace, *, may_retry: bool) -> ScoreEvent:
+        """A workspace deleted or replaced while its rollout was scored (by an evaluator of an
+        older version sharing work_root, or by hand): whatever was computed there is not the
+        rollout's score. Redelivered (TransientError) when it may be; else a failure."""
+        log.error("evaluator: rollout %s: its scratch workspace %s was deleted or replaced while it was scored "
+                  "(work_root must be left to the evaluators): no score computed there is published; %s",
+                  ended.rollout_id, ws.path, "it is scored again on a later delivery" if may_retry
+                  else "last delivery: it fails")
+        if may_retry:
+            raise TransientError(f"scratch workspace {ws.path} deleted or replaced while scoring")
+        return failed_event(ended, "the evaluator's scratch workspace was deleted or replaced while the rollout was "
+                                   "scored (not scored: what was computed there does not count)")
 
     def _sweep(self, area: scratch.ScratchArea) -> None:
         swept = scratch.sweep(self.settings.work_root, own=area)
@@ -132,6 +158,10 @@ class Evaluator:
         if swept.busy:
             log.info("evaluator: %d scratch folder(s) of other running evaluators under %s left alone",
                      swept.busy, self.settings.work_root)
+        if swept.foreign:
+            log.warning("evaluator: %d entr%s under %s named like scratch folders but owned by another uid left alone "
+                        "(never swept, never used; delete them by hand): %s", len(swept.foreign),
+                        "y" if len(swept.foreign) == 1 else "ies", self.settings.work_root, ", ".join(swept.foreign))
 
     def close(self) -> None:
         """Delete our scratch folder (kept with keep_workdirs) and drop its lock. ``run``
@@ -142,9 +172,11 @@ class Evaluator:
     # -- one rollout ------------------------------------------------------------
 
     async def evaluate(self, ended: RolloutEnded, *, may_retry: bool = False) -> ScoreEvent:
-        """The outcome for one ended rollout. With ``may_retry``, a failing blob store or bus
-        raises TransientError (for a redelivery) instead of becoming a failure event."""
-        workdir: Path | None = None
+        """The outcome for one ended rollout. With ``may_retry``, a failing blob store or bus,
+        no scratch folder to be had, or a workspace deleted or replaced while it was scored
+        raises TransientError (for a redelivery) instead of becoming a failure event; a score
+        computed in a workspace that vanished is never returned."""
+        ws: scratch.Workspace | None = None
         try:
             try:
                 spec = await self._spec_for(ended)
@@ -155,7 +187,8 @@ class Evaluator:
                 if may_retry:
                     raise TransientError(f"{exc!r}") from exc
                 raise _Unscorable(f"could not fetch the rollout's inputs: {exc!r}") from exc
-            workdir = self._new_workdir(ended.rollout_id)
+            ws = self._workspace_for(ended, may_retry=may_retry)
+            workdir = ws.path
             try:
                 unpacked = await asyncio.to_thread(unpack_snapshot, data, workdir, self._unpack_limits())
             except UnsafeSnapshot as exc:
@@ -163,18 +196,27 @@ class Evaluator:
             note = _skipped_note(unpacked.skipped_links)
             if note:
                 log.info("evaluator: rollout %s: %s", ended.rollout_id, note)
-            return await self._score(ended, spec, workdir, may_retry=may_retry, note=note)
+            outcome = await self._score(ended, spec, workdir, may_retry=may_retry, note=note,
+                                        intact=lambda: ws.intact)
+            if not ws.intact:  # after the last look at it: what was computed there is void
+                raise _WorkspaceGone()
+            return outcome
         except TransientError:
             raise
-        except _Unscorable as exc:
-            log.warning("evaluator: rollout %s not scored: %s", ended.rollout_id, exc)
-            return failed_event(ended, str(exc))
-        except Exception as exc:  # our own fault: still an event, never a silent loss
+        except Exception as exc:
+            if ws is not None and not ws.intact:  # whatever failed, the workspace vanishing explains it
+                return self._workspace_gone(ended, ws, may_retry=may_retry)
+            if isinstance(exc, _Unscorable):
+                log.warning("evaluator: rollout %s not scored: %s", ended.rollout_id, exc)
+                return failed_event(ended, str(exc))
+            # our own fault: still an event, never a silent loss
             log.exception("evaluator: internal error on rollout %s", ended.rollout_id)
             return failed_event(ended, f"internal error: {exc!r}")
         finally:
-            if workdir is not None and not self.settings.keep_workdirs:
-                await self._remove_workdir(workdir)
+            if ws is not None:
+                if not self.settings.keep_workdirs and ws.there:  # never what took its name since
+                    await self._remove_workdir(ws.path)
+                ws.close()
 
     async def _remove_workdir(self, workdir: Path) -> None:
         """Best effort: a workspace that cannot be deleted costs disk space, never the outcome."""
@@ -222,14 +264,18 @@ class Evaluator:
         return UnpackLimits(s.max_snapshot_bytes, s.max_unpacked_bytes, s.max_members)
 
     async def _score(self, ended: RolloutEnded, spec: TaskEvaluatorSpec, workdir: Path, *,
-                     may_retry: bool = False, note: str = "") -> ScoreEvent:
-        """``note``: something about the snapshot worth saying in the outcome's reason."""
+                     may_retry: bool = False, note: str = "",
+                     intact: Callable[[], bool] = lambda: True) -> ScoreEvent:
+        """``note``: something about the snapshot worth saying in the outcome's reason;
+        ``intact``: whether the workspace is still there (checked once the tests ran)."""
         policy = spec.combine
         view = await asyncio.to_thread(workspace.describe, workdir) if policy.uses_judge else ""
         verdict: TestsVerdict | None = None
         isolation = "none (no tests run)"
         if spec.hidden_files or spec.command:
             verdict, isolation = await self._run_tests(spec, workdir)
+            if not intact():  # deleted under the tests: their verdict is void; no judge asked
+                raise _WorkspaceGone()
         judge_score, judge_error = None, None
         if policy.uses_judge:
             judge_score, judge_error = await self._ask_judge(spec, view, verdict, may_retry=may_retry)

@@ -6,6 +6,7 @@ From ``GYRE_EVALUATOR_*`` variables (nested with ``__``, e.g.
 
 from __future__ import annotations
 
+import os
 import sys
 import tempfile
 from pathlib import Path
@@ -27,13 +28,20 @@ class JudgeSettings(BaseModel):
     max_tokens: int = Field(default=512, ge=1)
 
 
+def default_work_root() -> Path:
+    """``<tmp>/gyre-evaluator-<euid>``: one per user, so evaluators of two users on one host
+    (a shared ``/tmp``) do not meet in the same work_root, which is refused unless it is ours."""
+    return Path(tempfile.gettempdir()) / f"gyre-evaluator-{os.geteuid()}"
+
+
 class EvaluatorSettings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="GYRE_EVALUATOR_", env_nested_delimiter="__", extra="ignore", frozen=True
     )
 
     tasks_dir: Path = Field(default=Path("tasks"), description="one folder per task: evaluator.yaml + hidden/")
-    work_root: Path = Field(default=Path(tempfile.gettempdir()) / "gyre-evaluator", description="scratch workspaces")
+    work_root: Path = Field(default_factory=lambda: default_work_root(), description=(
+        "scratch workspaces; must be this uid's own (see services/evaluator/README.md)"))
     workers: int = Field(default=2, ge=1, le=64, description="rollouts scored at once")
     isolation: Literal["auto", "namespaces", "uid", "none"] = "auto"
     uid_base: int = Field(default=61000, ge=1000, description="sandbox n runs as uid_base + n")

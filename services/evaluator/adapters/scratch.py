@@ -2,38 +2,41 @@
 
 Each evaluator process (each ``Evaluator`` object, in fact) makes its scratch workspaces
 under a folder of its own, and holds an exclusive ``flock`` on that folder itself (an open
-descriptor of the directory) for as long as it lives::
+descriptor of the directory) for as long as it lives, and, while evaluators of the previous
+version may share ``work_root``, on a lock file beside it too::
 
     <work_root>/evaluator-<pid>-<12 hex>/        # 0711, flock()ed: its workspaces, one per rollout
+    <work_root>/evaluator-<pid>-<12 hex>.lock    # 0600, flock()ed: what the previous version's sweep honours
 
 The kernel drops a ``flock`` when the last descriptor of the open directory closes, which a
 killed process (SIGKILL, OOM kill, a crashed container) does too: a folder whose lock can be
 taken is a dead owner's. At start, ``sweep`` opens each sibling (never through a symbolic
-link), takes its lock without waiting, and deletes it (``libs.common.fs.remove_tree``) only
-while it holds that lock. A folder whose lock is held belongs to an evaluator that is running
-(another run, a replica sharing the folder) and is left alone. Nothing that does not have
-that name is touched.
+link), takes its lock and its lock file's lock (if it has one) without waiting, and deletes
+it (``libs.common.fs.remove_tree``) only while it holds both. A folder either of whose locks
+is held belongs to an evaluator that is running (another run, a replica sharing the folder)
+and is left alone. Nothing that does not have that name is touched, nor anything of that
+name owned by another uid.
 
-The lock is on the folder, not on a file beside it, so nothing can take a live evaluator's
-folder from it by deleting some other file (a lock file aged out of ``/tmp`` by
-systemd-tmpfiles, say). Both sides check, after ``flock``, that the name still leads to the
-directory they locked: an owner whose new folder a sweep took and deleted between its
-``mkdir`` and its ``flock`` tries another name, and a sweep never deletes what a newer folder
-of that name holds. The owner checks the same before each workspace it makes there
-(``ScratchArea.intact``); the evaluator claims a new folder when its own is gone.
-
-The previous layout put an flock()ed lock file beside each folder
-(``evaluator-<pid>-<12 hex>.lock``): such a lock file is still honoured (a folder is swept
-only when its lock file's lock can be taken too, so an evaluator of that version still
-running keeps its folder) and deleted with the folder, or alone once its lock can be taken.
+The lock that decides is on the folder, not on a file beside it, so nothing can take a live
+evaluator's folder from this version's sweep by deleting some other file (a lock file aged
+out of ``/tmp`` by systemd-tmpfiles, say). The lock file is made and locked first, before the
+folder, because the previous version's sweep takes a folder without a lock file (or with one
+whose lock is free) for a leftover; it goes when the folder goes. Both sides check, after
+``flock``, that the name still leads to what they locked: an owner whose new folder or lock
+file a sweep took and deleted first tries another name, and a sweep never deletes what a
+newer folder of that name holds. The owner checks the same before each workspace it makes
+there (``ScratchArea.intact``), and each workspace, by a descriptor of its own, once its
+rollout is scored (``Workspace.intact``): a score computed in a workspace that vanished
+meanwhile is never published.
 
 ``work_root`` itself must be a real directory (not a symbolic link) owned by our effective
-uid and writable by nobody else (``prepare_root``): a user who can rename entries in it could
-swap our folder for a link. ``flock`` is per open file, not per process, so two evaluators
-in one process (tests) do not take each other's locks either. The directory is opened
-close-on-exec: sandboxed test processes never inherit it, so one that outlives a killed
-evaluator does not keep its folder alive. ``work_root`` must be a local file system (flock
-over NFS is not reliable).
+uid (``prepare_root``); one that its group or others may write in is set to 0711, with a
+warning (a user who can rename entries in it could swap our folder for a link), and entries
+named like ours that another uid owns are logged and left alone. ``flock`` is per open file,
+not per process, so two evaluators in one process (tests) do not take each other's locks
+either. Everything is opened close-on-exec: sandboxed test processes never inherit it, so
+one that outlives a killed evaluator does not keep its folder alive. ``work_root`` must be a
+local file system (flock over NFS is not reliable).
 """
 
 from __future__ import annotations
@@ -44,7 +47,9 @@ import logging
 import os
 import re
 import secrets
+import socket
 import stat
+import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,11 +59,13 @@ from libs.common import fs
 log = logging.getLogger(__name__)
 
 PREFIX = "evaluator-"
-LOCK_SUFFIX = ".lock"  # the previous version's lock files, still honoured and cleaned up
+LOCK_SUFFIX = ".lock"  # what the previous version's sweep honours: made beside each new folder too
 _NAME = re.compile(r"^evaluator-[0-9]{1,10}-[0-9a-f]{12}$")
 _FOLDER_MODE = 0o711  # sandbox uids reach their own workspace, never list the others
 _ROOT_MODE = 0o711
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# O_NONBLOCK: a FIFO with a lock file's name never hangs the sweep
+_LOCK_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class ScratchError(RuntimeError):
@@ -66,7 +73,7 @@ class ScratchError(RuntimeError):
 
 
 class UnsafeWorkRoot(ScratchError):
-    """work_root is a link, not a directory, someone else's, or writable by others."""
+    """work_root is a link, not a directory, someone else's, or stays writable by others."""
 
 
 @dataclass
@@ -75,11 +82,18 @@ class SweepResult:
     bytes: int = 0  # about: the sizes of the files they held
     busy: int = 0  # folders of live evaluators, left alone
     failed: list[str] = field(default_factory=list)  # leftovers that could not be deleted (logged)
+    foreign: list[str] = field(default_factory=list)  # entries of our names another uid owns: left alone
 
 
 def prepare_root(root: Path) -> None:
-    """Make ``root`` (0711) if missing, or check that the one there is ours alone; raises
-    UnsafeWorkRoot, saying what to do, when it is not."""
+    """Make ``root`` (0711) if missing, or take the one there if it is a real directory of
+    our own, setting it to 0711; raises UnsafeWorkRoot, saying what to do, when it is not.
+
+    A root of ours that its group or others could write in (a ``/tmp`` emptyDir that a test
+    run under isolation "none" chmod'ed and a container restart kept, a volume's fsGroup
+    pass, a folder made by hand under umask 002) is set to 0711 with a warning, and entries
+    named like our folders that another uid owns (made while it was open) are logged: the
+    sweep leaves them alone, and no evaluator uses them (it only ever makes new names)."""
     root.parent.mkdir(parents=True, exist_ok=True)
     made = False
     with contextlib.suppress(FileExistsError):
@@ -107,61 +121,97 @@ def prepare_root(root: Path) -> None:
                 f"evaluator: work_root {root} is owned by uid {st.st_uid}, not by this evaluator's uid {euid}: its "
                 f"owner could swap our scratch folders for links. Delete it (as its owner or root) so the evaluator "
                 f"makes its own, or set work_root (GYRE_EVALUATOR_WORK_ROOT) to a folder this uid owns")
-        if not made and st.st_mode & 0o022:  # someone else may have been at work in it already
-            raise UnsafeWorkRoot(
-                f"evaluator: work_root {root} (owner uid {st.st_uid}) is writable by {_writers(st.st_mode)} (mode "
-                f"{stat.S_IMODE(st.st_mode):04o}): whoever else can write there could swap our scratch folders for "
-                f"links. If only evaluators of uid {euid} use it, `chmod 0711 {root}`; else delete it, or set "
-                f"work_root (GYRE_EVALUATOR_WORK_ROOT) to a folder of this uid's own")
+        loose = not made and st.st_mode & 0o022
+        if loose:  # ours, but others may have been at work in it: closed, then looked through
+            log.warning(
+                "evaluator: work_root %s (ours, uid %d) was writable by %s (mode %04o); set to %04o. Whoever could "
+                "write there could have left entries in it: those named like scratch folders that another uid owns "
+                "are listed next (if any) and left alone", root, euid, _writers(st.st_mode),
+                stat.S_IMODE(st.st_mode), _ROOT_MODE)
         os.fchmod(fd, _ROOT_MODE)  # sandbox uids must reach their folder, not list the others
         st = os.fstat(fd)
-        if st.st_mode & 0o022:  # a file system that keeps its own modes
+        if st.st_uid != euid or st.st_mode & 0o022:  # a file system that keeps its own modes
             raise UnsafeWorkRoot(
                 f"evaluator: work_root {root} stays writable by others after chmod {_ROOT_MODE:04o} (mode "
                 f"{stat.S_IMODE(st.st_mode):04o}, owner uid {st.st_uid}): put work_root on a file system that keeps "
                 f"file modes")
+        if loose:
+            foreign = _foreign(root, euid)
+            if foreign:
+                log.warning("evaluator: work_root %s holds %d entr%s named like scratch folders but owned by another "
+                            "uid, left alone (never swept, never used; delete them by hand): %s", root, len(foreign),
+                            "y" if len(foreign) == 1 else "ies", ", ".join(foreign))
     finally:
         os.close(fd)
 
 
-class ScratchArea:
-    """This evaluator's folder under ``root``, held by a lock on it until ``release``."""
+def _foreign(root: Path, euid: int) -> list[str]:
+    """Entries of ``root`` named like a scratch folder or its lock file, not owned by ``euid``
+    ("name (uid N)")."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            name = entry.name[: -len(LOCK_SUFFIX)] if entry.name.endswith(LOCK_SUFFIX) else entry.name
+            if _NAME.match(name):
+                with contextlib.suppress(OSError):
+                    uid = entry.stat(follow_symlinks=False).st_uid
+                    if uid != euid:
+                        found.append(f"{entry.name} (uid {uid})")
+    return sorted(found)
 
-    def __init__(self, root: Path, name: str, fd: int) -> None:
+
+class ScratchArea:
+    """This evaluator's folder under ``root``, held by a lock on it (and on its lock file)
+    until ``release``."""
+
+    def __init__(self, root: Path, name: str, fd: int, lock_fd: int) -> None:
         self.root, self.name = root, name
         self.path = root / name
+        self.lock_path = root / f"{name}{LOCK_SUFFIX}"
         self._fd: int | None = fd
-        # an area dropped without release() (an Evaluator never closed) still frees its lock
-        self._close = weakref.finalize(self, _close_quietly, fd)
+        self._lock_fd = lock_fd
+        # an area dropped without release() (an Evaluator never closed) still frees its locks
+        self._close = weakref.finalize(self, _close_quietly, fd, lock_fd)
 
     @classmethod
     def claim(cls, root: Path, *, attempts: int = 8) -> ScratchArea:
         """Make and lock a new folder of our own under ``root`` (which must exist; see
-        ``prepare_root``)."""
+        ``prepare_root``): its lock file first, then the folder."""
         last: Exception | None = None
         for _ in range(attempts):
             name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-            path = root / name
+            path, lock = root / name, root / f"{name}{LOCK_SUFFIX}"
             try:
-                os.mkdir(path, 0o700)
+                lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             except FileExistsError as exc:  # a name drawn twice
                 last = exc
                 continue
+            fd = None
             try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a sweep has it, and unlinks it
+                if not _names(lock_fd, lock):  # a sweep took it between open and flock, and unlinked it
+                    raise FileNotFoundError(f"{lock} swept before it was locked")
+                os.write(lock_fd, f"pid {os.getpid()} host {socket.gethostname()} since {time.time():.0f}\n".encode())
+                os.mkdir(path, 0o700)
                 fd = os.open(path, _DIR_FLAGS)
-            except OSError as exc:  # a sweep took it and deleted it already
-                last = exc
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a sweep has it now, and deletes it
-                if not _names(fd, path):  # a sweep took it between mkdir and flock, and deleted it
-                    raise FileNotFoundError(f"{path} swept before it was locked")
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a sweep is looking at it (and finds
+                # our lock file busy); or someone made this name first
+                if not _names(fd, path):  # deleted between mkdir and flock (not by a sweep: it saw our lock)
+                    raise FileNotFoundError(f"{path} deleted before it was locked")
                 os.fchmod(fd, _FOLDER_MODE)  # whatever the umask took off
             except OSError as exc:
-                os.close(fd)
                 last = exc
+                if fd is not None:
+                    with contextlib.suppress(OSError):
+                        if _names(fd, path):
+                            os.rmdir(path)  # empty: ours, made a moment ago
+                    os.close(fd)
+                with contextlib.suppress(OSError):
+                    if _names(lock_fd, lock):
+                        os.unlink(lock)
+                os.close(lock_fd)
                 continue
-            return cls(root, name, fd)
+            return cls(root, name, fd, lock_fd)
         raise ScratchError(f"could not make a scratch folder of our own under {root}: {last!r}")
 
     @property
@@ -174,10 +224,19 @@ class ScratchArea:
         not deleted, renamed or replaced meanwhile)."""
         return self._fd is not None and _names(self._fd, self.path)
 
+    def workspace(self, name: str) -> Workspace:
+        """A new, empty workspace ``name`` in our folder, held open. Raises FileNotFoundError
+        when the folder is gone (``intact`` says so then)."""
+        if self._fd is None:
+            raise FileNotFoundError(f"{self.path} released")
+        path = self.path / name
+        path.mkdir(mode=0o755)
+        return Workspace(self, path, os.open(path, _DIR_FLAGS))
+
     def release(self, *, remove: bool = True) -> None:
-        """Drop the lock. With ``remove`` the folder goes first, if ``path`` still names it
+        """Drop the locks. With ``remove`` the folder goes first, if ``path`` still names it
         (best effort: a folder left behind is the next evaluator's to sweep); without it the
-        folder stays, unlocked, for the next sweep."""
+        folder stays, unlocked, for the next sweep. The lock file goes either way."""
         if self._fd is None:
             return
         try:
@@ -187,8 +246,34 @@ class ScratchArea:
             log.error("evaluator: could not delete its scratch folder %s (the next evaluator to start will "
                       "try again): %r", self.path, exc)
         finally:
-            self._close()  # closes the descriptor: the lock goes with it
+            with contextlib.suppress(OSError):
+                if _names(self._lock_fd, self.lock_path):
+                    os.unlink(self.lock_path)
+            self._close()  # closes the descriptors: the locks go with them
             self._fd = None
+
+
+class Workspace:
+    """One rollout's workspace in a ScratchArea, held open: ``intact`` says whether the path
+    still names it (and the area is still ours), i.e. whether what was computed there counts."""
+
+    def __init__(self, area: ScratchArea, path: Path, fd: int) -> None:
+        self.area, self.path = area, path
+        self._fd: int | None = fd
+        self._close = weakref.finalize(self, _close_quietly, fd)
+
+    @property
+    def there(self) -> bool:
+        """Whether ``path`` still names this workspace (so deleting ``path`` deletes it)."""
+        return self._fd is not None and _names(self._fd, self.path)
+
+    @property
+    def intact(self) -> bool:
+        return self.there and self.area.intact
+
+    def close(self) -> None:
+        self._close()
+        self._fd = None
 
 
 def sweep(root: Path, *, own: ScratchArea | None = None) -> SweepResult:
@@ -216,22 +301,29 @@ def sweep(root: Path, *, own: ScratchArea | None = None) -> SweepResult:
 
 def _sweep_one(root: Path, name: str, result: SweepResult) -> None:
     folder, lock = root / name, root / f"{name}{LOCK_SUFFIX}"
-    try:
-        st = os.lstat(folder)
-    except FileNotFoundError:
-        st = None  # an old-style lock file alone
+    euid = os.geteuid()
+    st = _lstat(folder)  # None: an old-style lock file alone
+    lock_st = _lstat(lock)
+    if any(s is not None and s.st_uid != euid for s in (st, lock_st)):
+        result.foreign.append(name)  # another uid's: never ours to delete (root could)
+        return
     if st is not None and stat.S_ISLNK(st.st_mode):
         raise RuntimeError("a symbolic link where a scratch folder should be; not followed")
     if st is not None and not stat.S_ISDIR(st.st_mode):
         return  # not a folder: not ours
+    if lock_st is not None and not stat.S_ISREG(lock_st.st_mode):
+        return  # not a lock file: not ours
     with contextlib.ExitStack() as held:
         locks: list[tuple[int, Path]] = []
-        for path, flags in ((folder, _DIR_FLAGS), (lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)):
+        for path, flags in ((folder, _DIR_FLAGS), (lock, _LOCK_FLAGS)):
             try:
                 fd = _open(path, flags)
             except FileNotFoundError:
-                continue  # gone meanwhile; or no old-style lock file beside this folder
+                continue  # gone meanwhile; or no lock file beside this folder
             held.callback(os.close, fd)
+            if os.fstat(fd).st_uid != euid:
+                result.foreign.append(name)
+                return
             locks.append((fd, path))
         if not locks:
             return
@@ -254,14 +346,30 @@ def _sweep_one(root: Path, name: str, result: SweepResult) -> None:
                     os.unlink(lock)
 
 
+def _lstat(path: Path) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+
+
 def _open(path: Path, flags: int) -> int:
     try:
         return os.open(path, flags)
     except PermissionError:  # a folder a (non-root) test run left without its owner's read bit
         if not flags & os.O_DIRECTORY:
             raise
-        os.chmod(path, 0o700)  # a directory a moment ago (lstat); work_root is this uid's alone
-        return os.open(path, flags)
+    # chmod it through a descriptor of that very directory, never through a link put in its
+    # place meanwhile (chmod follows links, and O_PATH descriptors take no fchmod: the
+    # descriptor's /proc entry names the directory itself)
+    pfd = os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if os.fstat(pfd).st_uid != os.geteuid():
+            raise PermissionError(f"{path} is not ours to chmod")
+        os.chmod(f"/proc/self/fd/{pfd}", 0o700)
+        return os.open(f"/proc/self/fd/{pfd}", flags & ~os.O_NOFOLLOW)
+    finally:
+        os.close(pfd)
 
 
 def _names(fd: int, path: Path) -> bool:
@@ -288,6 +396,7 @@ def _size(root: Path) -> int:
     return total
 
 
-def _close_quietly(fd: int) -> None:
-    with contextlib.suppress(OSError):
-        os.close(fd)
+def _close_quietly(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
