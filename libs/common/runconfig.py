@@ -99,7 +99,8 @@ class CellsSection(_Section):
     # every cell trains would find no cell). With 2 cells only the core (c0) ever trains.
     min_inference_cells: int = Field(default=1, ge=1)
     training_cells: int = Field(default=1, ge=1)  # async: the fixed split's training cells
-    # re-sends of a switch command that a cell agent took and never answered (300 s each)
+    # re-sends of a switch command that a cell agent took and never answered (each after
+    # 300 s of silence, then a 300 s wait)
     # before the scheduler declares the switch failed on the cell's behalf
     max_resends: int = Field(default=2, ge=0)
     # the core's trainer claims micro-steps only while the scheduler has cell c0 in training

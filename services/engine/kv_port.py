@@ -22,8 +22,8 @@ was read imports nothing (the source may have freed those blocks mid-read): both
 within the TTL).
 
 The agent is this process's embedded default (``libs.common.transfer.default``), opened
-on first use. ``attach(service)`` adds the routes to a built engine service;
-``http_app.create_app`` should call ``add_routes`` (see the transfer report).
+on first use. ``http_app.create_app`` serves these routes (with ``kv_offer_ttl_s``);
+``attach(service)`` returns that port, or adds the routes to a service built without them.
 :class:`PortCellClient` is the scheduler's handle on a cell for
 ``libs.common.transfer.kv.migrate_session``; :class:`PortKvMover` plugs the same path into
 the proxy's ``evacuate`` (``service.kv_mover``).
@@ -253,8 +253,8 @@ def add_routes(app: FastAPI, port: KVPort, admin) -> None:
 
 
 def attach(service, agent: TransferAgent | None = None) -> KVPort:
-    """Adds the KV and weight-pull port routes to a built ``main.EngineService`` (until
-    ``create_app`` does it); both share one transfer agent."""
+    """The service's KV port: the one ``create_app`` made (using ``agent`` if given), or
+    new routes on a service built without them; both routes share one transfer agent."""
     from . import http_app, weights_port
 
     existing = getattr(service.app.state, "kv_port", None)

@@ -5,7 +5,8 @@ Environment: ``GYRE_PROXY_URL`` (required: calls in flight per cell come from th
 ``colocate``, ``async``), ``GYRE_SCHEDULER_TICK_S`` (2), and the elastic policy's knobs
 ``GYRE_SCHEDULER_HOLD_S``, ``GYRE_SCHEDULER_MIN_DWELL_S``, ``GYRE_SCHEDULER_SMOOTHING_S``,
 ``GYRE_SCHEDULER_LOW_WATERMARK``, ``GYRE_SCHEDULER_HIGH_WATERMARK``,
-``GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT``; ``async``: ``GYRE_SCHEDULER_TRAINING_CELLS`` (1).
+``GYRE_SCHEDULER_MAX_SWITCHES_IN_FLIGHT``, ``GYRE_SCHEDULER_MIN_INFERENCE_CELLS`` (1, at least 1);
+``async``: ``GYRE_SCHEDULER_TRAINING_CELLS`` (1).
 ``GYRE_SCHEDULER_GROUPS_PER_STEP`` (else ``GYRE_TRAINER_GROUPS_PER_STEP``): a step's groups,
 so the core is not pulled in for an update (nor, under ``colocate``, every cell for the
 batch) before all of them have started. ``GYRE_SCHEDULER_MAX_RESENDS`` (2): re-sends of a

@@ -20,7 +20,8 @@ and that next call is its continuation. An explicit ``x-gyre-role`` (hint ``role
 wins, and so does the proxy's own classification (hint ``kind``) when it sends one.
 
 The proxy's drift class (``CallRecord.drift``) is read as the proxy defines it
-(``services/proxy/core/tito.py``). ``append``, ``template_drift`` and ``retoken_drift`` all
+(``services/proxy/core/tito.py``). ``append``, ``template_drift``, ``think_stripped`` and
+``retoken_drift`` all
 say: the call starts right after its parent call's reply, the first call to do so, and its
 input is the parent's whole sequence (the generated ids, whatever the template would
 re-render: the drift is the proxy's business, never the agent's) plus new messages. So
@@ -50,7 +51,7 @@ from .tree import TrajectoryTree
 Relation = Literal["first", "extend", "retry", "rewrite"]
 
 # Drift classes of a call that continues right after its parent's reply, the first to do so
-# (libs/common/events/calls.py DriftClass; the proxy reuses the generated ids in all three).
+# (libs/common/events/calls.py DriftClass; the proxy reuses the generated ids in all four).
 CONTINUES_PARENT: frozenset[str] = frozenset({"append", "template_drift", "think_stripped", "retoken_drift"})
 
 

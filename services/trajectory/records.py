@@ -25,7 +25,8 @@ BranchRole = Literal["main", "main_summary", "subagent", "subagent_summary"]
 ForkType = Literal["compaction", "subagent", "retry", "edit"]
 # The proxy's TITO match class (libs/common/events/calls.py DriftClass). The core compares
 # token paths in the tree, which says the same and more; forks.py uses the class only to
-# find which end of its line an ``append``/``template_drift``/``retoken_drift`` call continues.
+# find which end of its line an ``append``/``template_drift``/``think_stripped``/``retoken_drift``
+# call continues.
 DriftClass = Literal["fresh", "append", "template_drift", "think_stripped", "retoken_drift", "fork"]
 
 ROLE_PRIORITY: tuple[BranchRole, ...] = ("main", "main_summary", "subagent", "subagent_summary")
