@@ -126,7 +126,10 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
         except Exception as e:
             return err(api, internal_error(e))
         finally:
-            await events.aclose()  # the call ends now (not when the collector finalises it)
+            # the call ends now (not when the collector finalises it); a handler cancelled at
+            # shutdown may find the generator still running: its own cancellation ends it
+            with contextlib.suppress(RuntimeError):
+                await events.aclose()
         if fin is None:
             return Response(status_code=499)
         _count(metrics, api, fin, started)
