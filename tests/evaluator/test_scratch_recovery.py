@@ -1,12 +1,11 @@
 """What an evaluator does when its scratch folder is taken from it, or cannot be had: a score
 computed in a workspace that vanished is never published (the rollout is redelivered), a
-folder that cannot be claimed costs a redelivery, not the rollout; the previous version's
-sweep sees a live folder as busy; the default work_root is per user."""
+folder that cannot be claimed costs a redelivery, not the rollout; a live folder is busy to
+any sweep; the default work_root is per user."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import fcntl
 import logging
 import os
@@ -42,7 +41,7 @@ _WAITS_FOR_DELETION = dedent_bytes("""
 async def _delete_area_once_tests_run(area: scratch.ScratchArea) -> None:
     for _ in range(1000):
         if any(area.path.rglob("started")):
-            fs.remove_tree(area.path)  # what the previous version's sweep did to a lock-file-less folder
+            fs.remove_tree(area.path)  # someone deletes it (by hand, say)
             return
         await asyncio.sleep(0.02)
     raise AssertionError("the hidden test never started")
@@ -97,48 +96,15 @@ async def test_a_workspace_replaced_while_scored_is_not_deleted_nor_scored(make_
     h.evaluator.close()
 
 
-async def test_a_live_folder_is_busy_to_the_previous_versions_sweep(make_harness, work_root: Path):
+async def test_a_live_folder_is_busy_to_any_sweep(make_harness, work_root: Path):
     h = await make_harness()
     area = h.evaluator._scratch_area()
     (area.path / "busy").mkdir()
-    assert _previous_versions_sweep(work_root) == [] and (area.path / "busy").is_dir()
-    assert area.lock_path.is_file() and fcntl.fcntl(area._lock_fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
-    # our own sweep (not sparing ours by name) sees both locks held: busy, nothing deleted
-    swept = scratch.sweep(work_root)
-    assert area.name not in swept.removed and area.intact and area.lock_path.is_file()
+    assert fcntl.fcntl(area._fd, fcntl.F_GETFD) & fcntl.FD_CLOEXEC, "never inherited by the tests it runs"
+    swept = scratch.sweep(work_root)  # (own=None: ours is not spared by name) its lock is held: busy
+    assert area.name not in swept.removed and swept.busy >= 1 and area.intact and (area.path / "busy").is_dir()
     h.evaluator.close()
-    assert not area.path.exists() and not area.lock_path.exists()
-
-
-def _previous_versions_sweep(root: Path) -> list[str]:
-    """What an evaluator of the previous version (a861143^) did at start: a folder whose lock
-    file is missing or free is deleted. Returns the names it deleted."""
-    removed = []
-    for entry in os.scandir(root):
-        name = entry.name.removesuffix(".lock")
-        if not scratch._NAME.match(name):
-            continue
-        folder, lock = root / name, root / f"{name}.lock"
-        try:
-            fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            fd = None
-        try:
-            if fd is not None:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue
-            if folder.is_dir() and not folder.is_symlink():
-                fs.remove_tree(folder)
-                removed.append(name)
-            if fd is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(lock)
-        finally:
-            if fd is not None:
-                os.close(fd)
-    return removed
+    assert not area.path.exists()
 
 
 @pytest.mark.parametrize("why", ["claim", "unsafe"])

@@ -2,32 +2,26 @@
 
 Each evaluator process (each ``Evaluator`` object, in fact) makes its scratch workspaces
 under a folder of its own, and holds an exclusive ``flock`` on that folder itself (an open
-descriptor of the directory) for as long as it lives, and, while evaluators of the previous
-version may share ``work_root``, on a lock file beside it too::
+descriptor of the directory) for as long as it lives::
 
     <work_root>/evaluator-<pid>-<12 hex>/        # 0711, flock()ed: its workspaces, one per rollout
-    <work_root>/evaluator-<pid>-<12 hex>.lock    # 0600, flock()ed: what the previous version's sweep honours
 
 The kernel drops a ``flock`` when the last descriptor of the open directory closes, which a
 killed process (SIGKILL, OOM kill, a crashed container) does too: a folder whose lock can be
 taken is a dead owner's. At start, ``sweep`` opens each sibling (never through a symbolic
-link), takes its lock and its lock file's lock (if it has one) without waiting, and deletes
-it (``libs.common.fs.remove_tree``) only while it holds both. A folder either of whose locks
-is held belongs to an evaluator that is running (another run, a replica sharing the folder)
-and is left alone. Nothing that does not have that name is touched, nor anything of that
-name owned by another uid.
+link), takes its lock without waiting, and deletes it (``libs.common.fs.remove_tree``) only
+while it holds it. A folder whose lock is held belongs to an evaluator that is running
+(another run, a replica sharing the folder) and is left alone. Nothing that does not have
+that name is touched, nor anything of that name owned by another uid.
 
-The lock that decides is on the folder, not on a file beside it, so nothing can take a live
-evaluator's folder from this version's sweep by deleting some other file (a lock file aged
-out of ``/tmp`` by systemd-tmpfiles, say). The lock file is made and locked first, before the
-folder, because the previous version's sweep takes a folder without a lock file (or with one
-whose lock is free) for a leftover; it goes when the folder goes. Both sides check, after
-``flock``, that the name still leads to what they locked: an owner whose new folder or lock
-file a sweep took and deleted first tries another name, and a sweep never deletes what a
-newer folder of that name holds. The owner checks the same before each workspace it makes
-there (``ScratchArea.intact``), and each workspace, by a descriptor of its own, once its
-rollout is scored (``Workspace.intact``): a score computed in a workspace that vanished
-meanwhile is never published.
+The lock is on the folder itself, so nothing outside it (a file deleted from ``/tmp``) can
+make a live folder look like a leftover. Both sides check, after ``flock``, that the name
+still leads to what they locked: an owner whose new folder a sweep took and deleted first
+tries another name, and a sweep never deletes what a newer folder of that name holds. The
+owner checks the same before each workspace it makes there (``ScratchArea.intact``), and
+each workspace, by a descriptor of its own, once its rollout is scored
+(``Workspace.intact``): a score computed in a workspace that vanished meanwhile is never
+published.
 
 ``work_root`` itself must be a real directory (not a symbolic link) owned by our effective
 uid (``prepare_root``); one that its group or others may write in is set to 0711, with a
@@ -47,9 +41,7 @@ import logging
 import os
 import re
 import secrets
-import socket
 import stat
-import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,13 +51,10 @@ from libs.common import fs
 log = logging.getLogger(__name__)
 
 PREFIX = "evaluator-"
-LOCK_SUFFIX = ".lock"  # what the previous version's sweep honours: made beside each new folder too
 _NAME = re.compile(r"^evaluator-[0-9]{1,10}-[0-9a-f]{12}$")
 _FOLDER_MODE = 0o711  # sandbox uids reach their own workspace, never list the others
 _ROOT_MODE = 0o711
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-# O_NONBLOCK: a FIFO with a lock file's name never hangs the sweep
-_LOCK_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 
 class ScratchError(RuntimeError):
@@ -146,13 +135,11 @@ def prepare_root(root: Path) -> None:
 
 
 def _foreign(root: Path, euid: int) -> list[str]:
-    """Entries of ``root`` named like a scratch folder or its lock file, not owned by ``euid``
-    ("name (uid N)")."""
+    """Entries of ``root`` named like a scratch folder, not owned by ``euid`` ("name (uid N)")."""
     found = []
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
-            name = entry.name[: -len(LOCK_SUFFIX)] if entry.name.endswith(LOCK_SUFFIX) else entry.name
-            if _NAME.match(name):
+            if _NAME.match(entry.name):
                 with contextlib.suppress(OSError):
                     uid = entry.stat(follow_symlinks=False).st_uid
                     if uid != euid:
@@ -161,42 +148,33 @@ def _foreign(root: Path, euid: int) -> list[str]:
 
 
 class ScratchArea:
-    """This evaluator's folder under ``root``, held by a lock on it (and on its lock file)
-    until ``release``."""
+    """This evaluator's folder under ``root``, held by a lock on it until ``release``."""
 
-    def __init__(self, root: Path, name: str, fd: int, lock_fd: int) -> None:
+    def __init__(self, root: Path, name: str, fd: int) -> None:
         self.root, self.name = root, name
         self.path = root / name
-        self.lock_path = root / f"{name}{LOCK_SUFFIX}"
         self._fd: int | None = fd
-        self._lock_fd = lock_fd
-        # an area dropped without release() (an Evaluator never closed) still frees its locks
-        self._close = weakref.finalize(self, _close_quietly, fd, lock_fd)
+        # an area dropped without release() (an Evaluator never closed) still frees its lock
+        self._close = weakref.finalize(self, _close_quietly, fd)
 
     @classmethod
     def claim(cls, root: Path, *, attempts: int = 8) -> ScratchArea:
         """Make and lock a new folder of our own under ``root`` (which must exist; see
-        ``prepare_root``): its lock file first, then the folder."""
+        ``prepare_root``)."""
         last: Exception | None = None
         for _ in range(attempts):
             name = f"{PREFIX}{os.getpid()}-{secrets.token_hex(6)}"
-            path, lock = root / name, root / f"{name}{LOCK_SUFFIX}"
+            path = root / name
             try:
-                lock_fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            except FileExistsError as exc:  # a name drawn twice
+                os.mkdir(path, 0o700)
+            except OSError as exc:  # a name drawn twice; or no room
                 last = exc
                 continue
             fd = None
             try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a sweep has it, and unlinks it
-                if not _names(lock_fd, lock):  # a sweep took it between open and flock, and unlinked it
-                    raise FileNotFoundError(f"{lock} swept before it was locked")
-                os.write(lock_fd, f"pid {os.getpid()} host {socket.gethostname()} since {time.time():.0f}\n".encode())
-                os.mkdir(path, 0o700)
                 fd = os.open(path, _DIR_FLAGS)
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a sweep is looking at it (and finds
-                # our lock file busy); or someone made this name first
-                if not _names(fd, path):  # deleted between mkdir and flock (not by a sweep: it saw our lock)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held: a sweep took it for a leftover
+                if not _names(fd, path):  # a sweep took it (unlocked yet) between mkdir and flock
                     raise FileNotFoundError(f"{path} deleted before it was locked")
                 os.fchmod(fd, _FOLDER_MODE)  # whatever the umask took off
             except OSError as exc:
@@ -206,12 +184,8 @@ class ScratchArea:
                         if _names(fd, path):
                             os.rmdir(path)  # empty: ours, made a moment ago
                     os.close(fd)
-                with contextlib.suppress(OSError):
-                    if _names(lock_fd, lock):
-                        os.unlink(lock)
-                os.close(lock_fd)
                 continue
-            return cls(root, name, fd, lock_fd)
+            return cls(root, name, fd)
         raise ScratchError(f"could not make a scratch folder of our own under {root}: {last!r}")
 
     @property
@@ -234,9 +208,9 @@ class ScratchArea:
         return Workspace(self, path, os.open(path, _DIR_FLAGS))
 
     def release(self, *, remove: bool = True) -> None:
-        """Drop the locks. With ``remove`` the folder goes first, if ``path`` still names it
+        """Drop the lock. With ``remove`` the folder goes first, if ``path`` still names it
         (best effort: a folder left behind is the next evaluator's to sweep); without it the
-        folder stays, unlocked, for the next sweep. The lock file goes either way."""
+        folder stays, unlocked, for the next sweep."""
         if self._fd is None:
             return
         try:
@@ -246,10 +220,7 @@ class ScratchArea:
             log.error("evaluator: could not delete its scratch folder %s (the next evaluator to start will "
                       "try again): %r", self.path, exc)
         finally:
-            with contextlib.suppress(OSError):
-                if _names(self._lock_fd, self.lock_path):
-                    os.unlink(self.lock_path)
-            self._close()  # closes the descriptors: the locks go with them
+            self._close()  # closes the descriptor: the lock goes with it
             self._fd = None
 
 
@@ -277,21 +248,16 @@ class Workspace:
 
 
 def sweep(root: Path, *, own: ScratchArea | None = None) -> SweepResult:
-    """Delete the folders (and old-style lock files) under ``root`` that evaluators which
-    are no longer running left behind. Never raises for one folder; see the module's docstring."""
+    """Delete the folders under ``root`` that evaluators which are no longer running left
+    behind. Never raises for one folder; see the module's docstring."""
     result = SweepResult()
     try:
         entries = list(os.scandir(root))
     except FileNotFoundError:
         return result
-    names: set[str] = set()
-    for entry in entries:
-        name = entry.name[: -len(LOCK_SUFFIX)] if entry.name.endswith(LOCK_SUFFIX) else entry.name
-        if _NAME.match(name) and (own is None or name != own.name):
-            names.add(name)
-    for name in sorted(names):
+    for name in sorted(e.name for e in entries if _NAME.match(e.name) and (own is None or e.name != own.name)):
         try:
-            _sweep_one(root, name, result)
+            _sweep_one(root / name, result)
         except Exception as exc:
             result.failed.append(name)
             log.error("evaluator: could not delete the leftover scratch folder %s (delete it by hand once no "
@@ -299,51 +265,39 @@ def sweep(root: Path, *, own: ScratchArea | None = None) -> SweepResult:
     return result
 
 
-def _sweep_one(root: Path, name: str, result: SweepResult) -> None:
-    folder, lock = root / name, root / f"{name}{LOCK_SUFFIX}"
+def _sweep_one(folder: Path, result: SweepResult) -> None:
     euid = os.geteuid()
-    st = _lstat(folder)  # None: an old-style lock file alone
-    lock_st = _lstat(lock)
-    if any(s is not None and s.st_uid != euid for s in (st, lock_st)):
-        result.foreign.append(name)  # another uid's: never ours to delete (root could)
+    st = _lstat(folder)
+    if st is None:
+        return  # gone meanwhile
+    if st.st_uid != euid:
+        result.foreign.append(folder.name)  # another uid's: never ours to delete (root could)
         return
-    if st is not None and stat.S_ISLNK(st.st_mode):
+    if stat.S_ISLNK(st.st_mode):
         raise RuntimeError("a symbolic link where a scratch folder should be; not followed")
-    if st is not None and not stat.S_ISDIR(st.st_mode):
+    if not stat.S_ISDIR(st.st_mode):
         return  # not a folder: not ours
-    if lock_st is not None and not stat.S_ISREG(lock_st.st_mode):
-        return  # not a lock file: not ours
-    with contextlib.ExitStack() as held:
-        locks: list[tuple[int, Path]] = []
-        for path, flags in ((folder, _DIR_FLAGS), (lock, _LOCK_FLAGS)):
-            try:
-                fd = _open(path, flags)
-            except FileNotFoundError:
-                continue  # gone meanwhile; or no lock file beside this folder
-            held.callback(os.close, fd)
-            if os.fstat(fd).st_uid != euid:
-                result.foreign.append(name)
-                return
-            locks.append((fd, path))
-        if not locks:
+    try:
+        fd = _open_dir(folder)
+    except FileNotFoundError:
+        return  # gone meanwhile
+    try:
+        if os.fstat(fd).st_uid != euid:
+            result.foreign.append(folder.name)
             return
-        for fd, path in locks:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                result.busy += 1  # a live evaluator's (or another sweep has it now)
-                return
-            if not _names(fd, path):
-                return  # swept (or made anew) meanwhile: whoever did has it
-        for fd, path in locks:
-            if path == folder:
-                size = _size(folder)
-                fs.remove_tree(folder)
-                result.removed.append(name)
-                result.bytes += size
-            else:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(lock)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            result.busy += 1  # a live evaluator's (or another sweep has it now)
+            return
+        if not _names(fd, folder):
+            return  # swept (or made anew) meanwhile: whoever did has it
+        size = _size(folder)
+        fs.remove_tree(folder)
+        result.removed.append(folder.name)
+        result.bytes += size
+    finally:
+        os.close(fd)
 
 
 def _lstat(path: Path) -> os.stat_result | None:
@@ -353,12 +307,9 @@ def _lstat(path: Path) -> os.stat_result | None:
         return None
 
 
-def _open(path: Path, flags: int) -> int:
-    try:
-        return os.open(path, flags)
-    except PermissionError:  # a folder a (non-root) test run left without its owner's read bit
-        if not flags & os.O_DIRECTORY:
-            raise
+def _open_dir(path: Path) -> int:
+    with contextlib.suppress(PermissionError):  # one a (non-root) test run left without its owner's read bit
+        return os.open(path, _DIR_FLAGS)
     # chmod it through a descriptor of that very directory, never through a link put in its
     # place meanwhile (chmod follows links, and O_PATH descriptors take no fchmod: the
     # descriptor's /proc entry names the directory itself)
@@ -367,7 +318,7 @@ def _open(path: Path, flags: int) -> int:
         if os.fstat(pfd).st_uid != os.geteuid():
             raise PermissionError(f"{path} is not ours to chmod")
         os.chmod(f"/proc/self/fd/{pfd}", 0o700)
-        return os.open(f"/proc/self/fd/{pfd}", flags & ~os.O_NOFOLLOW)
+        return os.open(f"/proc/self/fd/{pfd}", _DIR_FLAGS & ~os.O_NOFOLLOW)
     finally:
         os.close(pfd)
 
