@@ -3,6 +3,9 @@ agent that carries out switches instantly (the only edge faked here: real cell a
 
 from __future__ import annotations
 
+import asyncio
+import time
+
 from services.scheduler.core import (
     CellAdded,
     CellPhase,
@@ -52,3 +55,13 @@ def step(state: SchedulerState, tick: Tick, policy: Policy) -> tuple[SchedulerSt
 
 def phases(state: SchedulerState) -> dict[str, CellPhase]:
     return {c.name: c.phase for c in state.cells}
+
+
+async def tick_until(live, done, limit_s: float = 15.0) -> None:
+    """Ticks a ``LiveScheduler`` (reading the cells stream first) until ``done()``."""
+    deadline = time.monotonic() + limit_s
+    while not done():
+        assert time.monotonic() < deadline, "gave up waiting"
+        await live.catch_up_cells()
+        await live.tick()
+        await asyncio.sleep(0.05)

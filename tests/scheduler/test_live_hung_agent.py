@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 import pytest
 
@@ -19,6 +18,8 @@ from services.scheduler.core import ColocatePolicy
 from services.scheduler.core.translate import DECLARED
 from services.scheduler.live import LiveScheduler
 from services.scheduler.replay import CellsFold, compare, summary
+
+from ._helpers import tick_until
 
 TIMEOUT_S = 0.2  # the switch command's request timeout, and the watchdog's silence
 
@@ -57,15 +58,6 @@ async def _hung_agent(bus, run: str, on_command=None) -> tuple[list[dict], objec
     return got, await bus.nc.subscribe(command_subject(run, "c0"), cb=on_request)
 
 
-async def _tick_until(live: LiveScheduler, done, limit_s: float = 15.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not done():
-        assert time.monotonic() < deadline, "gave up waiting"
-        await live.catch_up_cells()
-        await live.tick()
-        await asyncio.sleep(0.05)
-
-
 async def _replayed(bus, run: str) -> CellsFold:
     fold = CellsFold()
     async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{run}.cells.>"):
@@ -79,7 +71,7 @@ async def test_a_hung_agent_is_declared_failed_after_its_resends_then_taken_at_i
     got, sub = await _hung_agent(bus, run)
     live = _scheduler(run, bus, max_resends=2)
     await live.catch_up_cells()
-    await _tick_until(live, lambda: not live.state.cell("c0").switching)
+    await tick_until(live, lambda: not live.state.cell("c0").switching)
     await sub.unsubscribe()
     # the first command and two re-sends, all of the same request, all unanswered
     assert [(g["to_role"], g["causation_id"]) for g in got] == [("training", request.event_id)] * 3
@@ -123,7 +115,7 @@ async def test_a_cell_heard_from_between_unanswered_commands_starts_the_count_ag
     got, sub = await _hung_agent(bus, run, on_command=announce)
     live = _scheduler(run, bus, max_resends=1)
     await live.catch_up_cells()
-    await _tick_until(live, lambda: not live.state.cell("c0").switching)
+    await tick_until(live, lambda: not live.state.cell("c0").switching)
     await sub.unsubscribe()
     assert len(got) == 4  # two, then the count starts again: two more
     c0 = live.state.cell("c0")

@@ -21,6 +21,8 @@ from services.scheduler.core.translate import DECLARED
 from services.scheduler.live import LiveScheduler, declaration_id
 from services.scheduler.replay import CellsFold
 
+from ._helpers import tick_until
+
 RUN = "silent-live"
 
 
@@ -58,15 +60,6 @@ def _scheduler(bus, send_switch, **kw) -> LiveScheduler:
                          switch_timeout_s=0.2, max_resends=2, **kw)
 
 
-async def _tick_until(live: LiveScheduler, done, limit_s: float = 10.0) -> None:
-    deadline = time.monotonic() + limit_s
-    while not done():
-        assert time.monotonic() < deadline, "gave up waiting"
-        await live.catch_up_cells()
-        await live.tick()
-        await asyncio.sleep(0.05)
-
-
 async def _replayed(bus) -> CellsFold:
     fold = CellsFold()
     async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{RUN}.cells.>"):
@@ -95,7 +88,7 @@ async def test_no_responders_on_a_resend_declares_the_switch_failed_in_the_phase
 
     live = _scheduler(bus, send_switch)
     await live.catch_up_cells()
-    await _tick_until(live, lambda: not live.state.cell("c1").switching)
+    await tick_until(live, lambda: not live.state.cell("c1").switching)
     assert sends == [request.event_id] * 2
     c1 = live.state.cell("c1")
     assert c1.phase.value == "inference" and c1.silent and c1.silent_in.value == "releasing"
@@ -121,7 +114,7 @@ async def test_no_responders_on_a_first_send_of_a_switch_an_agent_took_declares_
 
     live = _scheduler(bus, send_switch)
     await live.catch_up_cells()
-    await _tick_until(live, lambda: not live.state.cell("c1").switching)
+    await tick_until(live, lambda: not live.state.cell("c1").switching)
     c1 = live.state.cell("c1")
     assert c1.phase.value == "inference" and c1.silent
     [failed] = await _failures(bus)
@@ -137,7 +130,7 @@ async def test_no_responders_on_a_first_send_no_agent_took_is_recorded_as_before
 
     live = _scheduler(bus, send_switch)
     await live.catch_up_cells()
-    await _tick_until(live, lambda: not live.state.cell("c1").switching)
+    await tick_until(live, lambda: not live.state.cell("c1").switching)
     c1 = live.state.cell("c1")
     assert c1.phase.value == "inference" and not c1.silent and "no cell agent answered" in c1.last_failure
     [failed] = await _failures(bus)
