@@ -94,16 +94,21 @@ async def test_an_offer_never_released_frees_its_kv_after_the_ttl_with_no_other_
     agent.close()
 
 
-async def test_a_fetch_of_an_expired_offer_is_refused_naming_the_lease(http, shared_service):
-    import pytest
-
+async def _two_ports(http, shared_service, *, ttl_s: float):
+    """Source and target ports on loopback agents, and an offer of PROMPT's cached KV."""
     from tests.engine._fakes import LoopbackAgent
 
     await _cached(http, PROMPT)
     source, target = LoopbackAgent(), LoopbackAgent()
-    src = kv_port.KVPort(shared_service.engine, source, offer_ttl_s=0.1)
+    src = kv_port.KVPort(shared_service.engine, source, offer_ttl_s=ttl_s)
     dst = kv_port.KVPort(shared_service.engine, target)
-    offer = await src.offer(PROMPT)
+    return source, target, src, dst, await src.offer(PROMPT)
+
+
+async def test_a_fetch_of_an_expired_offer_is_refused_naming_the_lease(http, shared_service):
+    import pytest
+
+    source, target, src, dst, offer = await _two_ports(http, shared_service, ttl_s=0.1)
     lease = offer["meta"]["lease"]
     await _until(lambda: lease not in source.names())
     with pytest.raises(kv_port.OfferExpired, match=rf"offer '{lease}' expired .*kept 0.1 s.*nothing imported"):
@@ -115,13 +120,7 @@ async def test_a_fetch_of_an_expired_offer_is_refused_naming_the_lease(http, sha
 async def test_a_live_offer_is_fetched_and_a_release_cancels_its_expiry(http, shared_service):
     import asyncio
 
-    from tests.engine._fakes import LoopbackAgent
-
-    await _cached(http, PROMPT)
-    source, target = LoopbackAgent(), LoopbackAgent()
-    src = kv_port.KVPort(shared_service.engine, source, offer_ttl_s=0.3)
-    dst = kv_port.KVPort(shared_service.engine, target)
-    offer = await src.offer(PROMPT)
+    source, target, src, dst, offer = await _two_ports(http, shared_service, ttl_s=0.3)
     lease = offer["meta"]["lease"]
     answer = await dst.fetch(offer)
     assert answer["success"] and answer["tokens"] == len(offer["meta"]["token_ids"]) > 0

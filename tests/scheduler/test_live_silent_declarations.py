@@ -102,38 +102,35 @@ async def test_no_responders_on_a_resend_declares_the_switch_failed_in_the_phase
     assert await agent._declared_failed(request.event_id)
 
 
+async def _ended_by_no_responders(bus):
+    """Ticks a scheduler whose every command meets no responders until c1's switch ends;
+    returns c1 and the one SwitchFailed in the log."""
+    async def send_switch(cell: str, role: str, causation: str) -> dict:
+        raise NoRespondersError()
+
+    live = _scheduler(bus, send_switch)
+    await live.catch_up_cells()
+    await tick_until(live, lambda: not live.state.cell("c1").switching)
+    [failed] = await _failures(bus)
+    return live.state.cell("c1"), failed
+
+
 async def test_no_responders_on_a_first_send_of_a_switch_an_agent_took_declares_it() -> None:
     """This scheduler's first send (e.g. after a restart), the cell still in the first phase,
     but an event of the cell's own names the request (its agent announced draining): an
     agent took the switch, so it is declared, not recorded as never begun."""
     bus = InMemoryBus()
     request = await _log(bus, "draining")
-
-    async def send_switch(cell: str, role: str, causation: str) -> dict:
-        raise NoRespondersError()
-
-    live = _scheduler(bus, send_switch)
-    await live.catch_up_cells()
-    await tick_until(live, lambda: not live.state.cell("c1").switching)
-    c1 = live.state.cell("c1")
+    c1, failed = await _ended_by_no_responders(bus)
     assert c1.phase.value == "inference" and c1.silent
-    [failed] = await _failures(bus)
     assert failed.declared_by_scheduler and failed.phase == "draining" and failed.causation_id == request.event_id
 
 
 async def test_no_responders_on_a_first_send_no_agent_took_is_recorded_as_before() -> None:
     bus = InMemoryBus()
     request = await _log(bus)  # stored, nothing of the cell's since
-
-    async def send_switch(cell: str, role: str, causation: str) -> dict:
-        raise NoRespondersError()
-
-    live = _scheduler(bus, send_switch)
-    await live.catch_up_cells()
-    await tick_until(live, lambda: not live.state.cell("c1").switching)
-    c1 = live.state.cell("c1")
+    c1, failed = await _ended_by_no_responders(bus)
     assert c1.phase.value == "inference" and not c1.silent and "no cell agent answered" in c1.last_failure
-    [failed] = await _failures(bus)
     assert not failed.declared_by_scheduler and failed.causation_id == request.event_id
 
 
