@@ -126,3 +126,17 @@ def test_upcaster_lifts_old_payloads() -> None:
         _UPCASTERS.pop(("ThingNoted", 1), None)
         for k in [k for k, v in _PREFIXES.items() if v is ThingNoted]:
             _PREFIXES.pop(k)
+
+
+def test_call_recorded_v1_is_read_and_think_stripped_needs_v2() -> None:
+    """``think_stripped`` came with CallRecorded version 2: a version-1 call (written before
+    it) still decodes, and the current version round-trips the new class."""
+    fields = {"run_id": "r", "call_id": "c", "rollout_id": "ro", "session_id": "s", "api": "openai_chat",
+              "new_input_digest": "0" * 64, "n_new_input_tokens": 3,
+              "output_digest": "1" * 64, "logprobs_digest": "2" * 64,
+              "n_output_tokens": 2, "drift": "append"}
+    old = ev.decode(json.dumps({"type": "CallRecorded", "schema_version": 1, **fields}).encode())
+    assert isinstance(old, ev.CallRecorded) and old.drift is ev.DriftClass.APPEND
+    new = ev.CallRecorded(**{**fields, "drift": "think_stripped"})
+    assert json.loads(new.to_json())["schema_version"] == ev.CallRecorded.SCHEMA_VERSION == 2
+    assert ev.decode(new.to_json()) == new

@@ -6,12 +6,12 @@ Token arrays never travel in events: the blob store holds them, events carry dig
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .envelope import Context, Digest, Event
-from .registry import register
+from .registry import register, upcaster
 
 
 class DriftClass(str, enum.Enum):
@@ -71,6 +71,11 @@ class SessionOpened(Event):
 class CallRecorded(Event):
     CONTEXT = Context.CALLS
     KEY = "rollout_id"
+    # 2: ``drift`` may be ``think_stripped``. A reader that knows only version 1 then fails on
+    # every newer call with "newer than this Gyre knows" (and dead-letters it, keeping its
+    # bytes) instead of on some calls with an invalid enum value: upgrade the proxy and the
+    # readers of the calls stream (trajectory, projection) together.
+    SCHEMA_VERSION = 2
     call_id: str = Field(min_length=1)
     rollout_id: str = Field(min_length=1)
     session_id: str = Field(min_length=1)
@@ -93,6 +98,12 @@ class CallRecorded(Event):
     hints: SessionHints = Field(default_factory=SessionHints)
     timings: CallTimings = Field(default_factory=CallTimings)
     cell: str | None = None
+
+
+@upcaster("CallRecorded", 1)
+def _call_recorded_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 had the same fields; only the set of drift classes grew."""
+    return payload
 
 
 @register
