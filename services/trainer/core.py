@@ -43,7 +43,7 @@ import torch
 
 from libs.common.bus.port import BlobStore, EventBus
 from libs.common.events import (Context, Event, GroupQueued, MicroStepDone, MicroStepQueued, StepApplied,
-                                WeightsPublished, decode)
+                                WeightsPublished, WeightsRetired, decode)
 
 from .backends.base import PolicyBackend
 from .batch import tree_batch
@@ -371,7 +371,9 @@ class CoreTrainer:
     async def _delete_old_weights(self, version: int, digest: str) -> None:
         """Called once the WeightsPublished of ``version`` is in the log: deletes the blobs
         of all but the newest ``keep_weights`` published versions (never one that a kept
-        version's blob also is). A failed delete costs space, not correctness."""
+        version's blob also is). A ``WeightsRetired`` naming them is written first; if it
+        cannot be, nothing is deleted and the next publish tries again. A failed delete
+        costs space, not correctness."""
         keep = self.settings.keep_weights
         if keep is None:
             return
@@ -380,21 +382,30 @@ class CoreTrainer:
             return
         entries = list(self._weight_blobs)
         old, kept = entries[:-keep], entries[-keep:]
-        self._weight_blobs = dict.fromkeys(kept)
-        self.state.weights_pruned_below = max(self.state.weights_pruned_below, min(v for v, _ in kept))
+        kept_digests = {d for _, d in kept}
+        kept_from = min(v for v, _ in kept)
+        retired = [(v, d) for v, d in old if d not in kept_digests]
         delete = getattr(self.blobs, "delete", None)
+        doomed = list(dict.fromkeys(d for _, d in retired))
+        if doomed and delete is not None:
+            record = WeightsRetired(run_id=self.settings.run_id, weight_versions=sorted({v for v, _ in retired}),
+                                    digests=doomed, kept_from=kept_from,
+                                    event_id=_event_id(self.settings.run_id, "WeightsRetired", version))
+            try:
+                await self.bus.publish(record)
+            except Exception as exc:
+                log.warning("core: could not record the retirement of weight versions %s (their blobs are kept "
+                            "until the next publish tries again): %r", record.weight_versions, exc)
+                return
+        self._weight_blobs = dict.fromkeys(kept)
+        self.state.weights_pruned_below = max(self.state.weights_pruned_below, kept_from)
         if delete is None:
             return
-        done = {d for _, d in kept}
-        for old_version, old_digest in old:
-            if old_digest in done:
-                continue
-            done.add(old_digest)
+        for old_digest in doomed:
             try:
                 await delete(old_digest)
             except Exception as exc:
-                log.warning("core: could not delete the weights blob %s of v%d: %r", old_digest[:12],
-                            old_version, exc)
+                log.warning("core: could not delete the retired weights blob %s: %r", old_digest[:12], exc)
 
 
 class CoreWeightSource:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from libs.common.blobs import MemoryBlobStore
-from libs.common.events import Context, GroupQueued, WeightsPublished
+from libs.common.events import Context, GroupQueued, WeightsPublished, WeightsRetired
 from services.trainer.backends.torch_hf import TorchBackend
 from services.trainer.core import DEFAULT_KEEP_WEIGHTS, CoreSettings, CoreTrainer
 from services.trainer.main import ENV, keep_weights
@@ -46,6 +46,10 @@ async def test_only_the_newest_published_versions_keep_their_weight_blobs(js_bus
     blobs = MemoryBlobStore()
     await _train(js_bus, blobs, tmp_path, keep=2)
     assert await _held(js_bus, blobs) == {0: False, 1: True, 2: True}
+    # the log says which blob went, before it went
+    v0 = next(e for e in await _events(js_bus, Context.TRAINING, WeightsPublished) if e.weight_version == 0)
+    (retired,) = await _events(js_bus, Context.TRAINING, WeightsRetired)
+    assert (retired.weight_versions, retired.digests, retired.kept_from) == ([0], [v0.checkpoint_digest], 1)
     # what a cell resuming or joining pulls is there
     weights = await BusWeightSource(js_bus, blobs, RUN).fetch(2)
     assert weights and all(isinstance(t, torch.Tensor) for t in weights.values())
@@ -94,6 +98,7 @@ async def test_a_blob_that_kept_versions_share_is_never_deleted(js_bus, tmp_path
     assert [e.weight_version for e in published] == [0, 1, 2, 3, 4]
     assert len({e.checkpoint_digest for e in published}) == 1
     assert await blobs.has(published[-1].checkpoint_digest)
+    assert await _events(js_bus, Context.TRAINING, WeightsRetired) == []  # nothing deleted, nothing retired
 
 
 def test_keep_weights_option_default_all_and_floor():
@@ -115,3 +120,31 @@ async def test_disk_publication_keeps_the_newest_version_folders(tmp_path):
     for version in range(4):
         assert await publisher(version, {"w": torch.full((2,), float(version))}) == []
     assert sorted(p.name for p in (tmp_path / "published").iterdir()) == ["v000002", "v000003"]
+
+
+async def test_blobs_are_kept_while_their_retirement_cannot_be_recorded(js_bus, tmp_path):
+    """No ``WeightsRetired`` in the log, no delete: a failed publish keeps the blobs, and
+    the next publish retires them."""
+    blobs = MemoryBlobStore()
+    core = await _train(js_bus, blobs, tmp_path, keep=None)
+    assert await _held(js_bus, blobs) == {0: True, 1: True, 2: True}
+    core.settings = replace(core.settings, keep_weights=2)
+    real = core.bus.publish
+
+    async def refuse(event, *a, **kw):
+        if isinstance(event, WeightsRetired):
+            raise ConnectionError("the bus is down")
+        return await real(event, *a, **kw)
+
+    core.bus.publish = refuse
+    try:
+        core._weight_blobs = await core._published_weight_blobs()
+        (v2,) = [e for e in await _events(js_bus, Context.TRAINING, WeightsPublished) if e.weight_version == 2]
+        await core._delete_old_weights(2, v2.checkpoint_digest)
+        assert await _held(js_bus, blobs) == {0: True, 1: True, 2: True}
+    finally:
+        core.bus.publish = real
+    await core._delete_old_weights(2, v2.checkpoint_digest)
+    assert await _held(js_bus, blobs) == {0: False, 1: True, 2: True}
+    (retired,) = await _events(js_bus, Context.TRAINING, WeightsRetired)
+    assert retired.weight_versions == [0] and retired.kept_from == 1

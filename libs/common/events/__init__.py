@@ -13,7 +13,7 @@ from .registry import EventDecodeError, decode, decode_dict, event_types, types_
 from .rollouts import RolloutFinished, RolloutStarted, RolloutTimedOut
 from .runs import HeldoutEvaluated, RunFinished, RunStarted, WarmStartCompleted
 from .scores import RolloutScored, RolloutScoringFailed, TestOutcome
-from .training import MicroStepClaimed, MicroStepDone, StepApplied, WeightsPublished
+from .training import MicroStepClaimed, MicroStepDone, StepApplied, WeightsPublished, WeightsRetired
 from .trees import ForkDetected, GroupQueued, MicroStepQueued, SamplesSelected, TreeSealed
 
 __all__ = [
@@ -22,6 +22,6 @@ __all__ = [
     "RolloutFinished", "RolloutScored", "RolloutScoringFailed", "RolloutStarted",
     "RolloutTimedOut", "HeldoutEvaluated", "RunFinished", "RunStarted", "WarmStartCompleted", "SamplesSelected", "SessionOpened",
     "SessionRerouted", "StepApplied", "SwitchCompleted", "SwitchFailed", "SwitchPhaseEntered", "SwitchRequested",
-    "TestOutcome", "TreeSealed", "WaterLevelSampled", "WeightsPublished", "decode",
+    "TestOutcome", "TreeSealed", "WaterLevelSampled", "WeightsPublished", "WeightsRetired", "decode",
     "decode_dict", "event_types", "new_event_id", "subject_token", "types_in", "upcaster",
 ]

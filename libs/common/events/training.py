@@ -1,4 +1,4 @@
-"""Training context (owner: trainer; StepApplied and WeightsPublished by the core cell)."""
+"""Training context (owner: trainer; StepApplied, WeightsPublished and WeightsRetired by the core cell)."""
 
 from __future__ import annotations
 
@@ -49,3 +49,16 @@ class WeightsPublished(Event):
     weight_version: int = Field(ge=0)
     target_cells: list[str] = Field(default_factory=list)
     checkpoint_digest: Digest | None = None
+
+
+@register
+class WeightsRetired(Event):
+    """The core is deleting the weight blobs of these published versions (its
+    ``keep_weights``): their ``WeightsPublished`` digests name nothing from now on. Written
+    before the deletes, so no blob goes without a record; a delete that then fails leaves a
+    blob the log calls retired (space, not correctness)."""
+
+    CONTEXT = Context.TRAINING
+    weight_versions: list[int] = Field(min_length=1)
+    digests: list[Digest] = Field(min_length=1)  # the blobs deleted (versions may share one)
+    kept_from: int = Field(ge=0)  # the oldest version whose blob is kept
