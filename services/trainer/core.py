@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 
 from libs.common.bus.port import BlobStore, EventBus
-from libs.common.events import (Context, Event, GroupQueued, MicroStepDone, MicroStepQueued, StepApplied,
-                                WeightsPublished, WeightsRetired, decode)
+from libs.common.events import (Context, Event, EventDecodeError, GroupQueued, MicroStepDone, MicroStepQueued,
+                                StepApplied, WeightsPublished, WeightsRetired, decode)
 
 from .backends.base import PolicyBackend
 from .batch import tree_batch
@@ -164,8 +164,17 @@ class CoreTrainer:
                 return
             if raw is None:
                 continue
+            try:
+                event = decode(raw.data)
+            except EventDecodeError as exc:
+                # as any consumer does: kept on the dead-letter stream, and the core goes on (raising
+                # would stop it, and every restart from the checkpoint would stop on it again)
+                log.error("core: %s seq %d is not an event this core can read (%s); dead-lettered, skipped",
+                          raw.stream, raw.seq, exc)
+                await self.bus.dead_letter(f"trainer-core-{self.settings.run_id}", raw, f"undecodable: {exc}")
+                continue
             async with self._lock:
-                await handler(decode(raw.data), raw.seq)
+                await handler(event, raw.seq)
 
     # -------------------------------------------------------------------- events in
     async def on_queued(self, ev: MicroStepQueued, seq: int = 0) -> None:

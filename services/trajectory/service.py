@@ -52,6 +52,8 @@ class TrajectoryService:
         self.dead: list[DeadCall] = []
         self._lock = asyncio.Lock()
         self._published: set[str] = set()
+        # what a decision asked for and was not all carried out yet (see ``handle``)
+        self._unsent: Effects | None = None
         self._call_msgs: dict[str, RawMessage] = {}
         # rollout -> the calls its logged TreeSealed holds (from the tree's summary blob): a
         # rebuild seals it with those, not with a call recorded after the live seal
@@ -100,9 +102,24 @@ class TrajectoryService:
                             "from all of its calls in the log", rollout_id, digest, exc)
 
     async def handle(self, delivery: Delivery) -> None:
+        """Decides on one event, then stores and publishes what it asks for. The ledger
+        changes as it decides; what that asks for waits in ``_unsent`` until it is all
+        carried out. If that fails (the blob store or the bus is down), the handler raises
+        and the event is tried again; the next event of any stream first carries out what
+        is still unsent before anything new is decided: a redelivered event finds the
+        ledger past it, so without this its effects (a seal's ``TreeSealed``, samples and
+        micro-steps, say) would be lost to the live run. Carrying out twice is harmless:
+        blobs are content-addressed, events have deterministic ids (``_published`` and
+        JetStream's de-duplication drop a copy), and dead letters have fixed ids."""
         async with self._lock:
+            if self._unsent is not None:
+                await self._carry_out(self._unsent)
+                self._unsent = None
+            self._unsent = Effects()
             effects = await self._decide(delivery)
-            await self._carry_out(effects)
+            self._unsent.extend(effects)
+            await self._carry_out(self._unsent)
+            self._unsent = None
 
     async def _decide(self, d: Delivery) -> Effects:
         ev = d.event
@@ -158,6 +175,9 @@ class TrajectoryService:
                     continue  # recorded after the live seal: it meets the sealed tree later, as then
                 self._call_msgs.setdefault(ev.call_id, RawMessage(d.stream, d.seq, d.subject, ev.to_json()))
                 effects.extend(await self._call(ev))
+                if self._unsent is not None:  # the ledger has these calls now: keep what they ask for
+                    self._unsent.extend(effects)
+                    effects = Effects()
         return effects
 
     async def _carry_out(self, effects: Effects) -> None:
@@ -176,11 +196,11 @@ class TrajectoryService:
     async def _dead_letter(self, outcome: CallOutcome) -> None:
         if any(d.call_id == outcome.call_id for d in self.dead):
             return
+        msg = self._call_msgs.get(outcome.call_id)
+        if msg is not None:  # noted as dead only once stored: a failed write is tried again
+            await self.bus.dead_letter(f"{self.consumer}-calls", msg, outcome.reason)
         self.dead.append(DeadCall(outcome.call_id, outcome.reason))
         log.warning("call %s rejected: %s", outcome.call_id, outcome.reason)
-        msg = self._call_msgs.get(outcome.call_id)
-        if msg is not None:
-            await self.bus.dead_letter(f"{self.consumer}-calls", msg, outcome.reason)
 
 
 def create_service(config: LedgerConfig, *, bus: EventBus, blobs: BlobStore) -> TrajectoryService:

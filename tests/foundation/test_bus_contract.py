@@ -117,6 +117,27 @@ async def test_poison_and_rejected_events_are_dead_lettered_and_the_consumer_goe
     reasons = await dead_letters(bus, "c3", expect=2)
     assert any("unknown event type 'Bogus'" in r for r in reasons)
     assert any("cannot apply" in r for r in reasons)
+    # a replay skips what the consumers dead-letter, so a rebuild does not stop on it
+    assert [d.seq async for d in bus.read(Context.ROLLOUTS)] == [1, 3, 4]
+
+
+async def test_a_failing_event_costs_the_events_behind_it_no_delivery(bus) -> None:
+    """Tried again in place: the ones behind it in the batch wait their turn, are not
+    charged a delivery, and are handled once each, in order."""
+    await bus.publish_many([started(i) for i in range(3)])
+    tries: list[tuple[int, int]] = []
+
+    async def first_always_fails(d: Delivery) -> None:
+        tries.append((d.seq, d.num_delivered))
+        if d.seq == 1:
+            raise RuntimeError("transient, for ever")
+
+    cfg = ConsumerConfig(name="c5", context=Context.ROLLOUTS, batch=10, retry_delay_s=0.02, max_deliver=3)
+    got = await consume(bus, cfg, until=2, handler=first_always_fails)
+    assert [d.seq for d in got] == [2, 3]
+    assert tries == [(1, 1), (1, 2), (1, 3), (2, 1), (3, 1)]
+    reasons = await dead_letters(bus, "c5", expect=1)
+    assert len(reasons) == 1 and "failed 3 times" in reasons[0]
 
 
 async def dead_letters(bus, consumer: str, expect: int) -> list[str]:

@@ -279,3 +279,22 @@ def test_only_the_newest_checkpoints_are_kept_when_asked(tmp_path, torch_backend
     assert load_latest_checkpoint(folder)[1].step == 4
     with pytest.raises(ValueError, match="at least 1"):
         save_checkpoint(folder, TrainerState(step=5), torch_backend.hf_state_dict(), opt, keep=0)
+
+
+async def test_an_unreadable_training_event_is_dead_lettered_and_the_step_goes_on(js_bus, tmp_path):
+    """A MicroStepDone this core cannot read (a newer cell's, say) is kept on the
+    dead-letter stream and passed over; before, it stopped the core, and every restart
+    from the checkpoint stopped on it again."""
+    blobs = MemoryBlobStore()
+    await js_bus.publish_raw(f"gyre.{RUN}.training.MicroStepDone.s0-x",
+                             f'{{"type":"MicroStepDone","schema_version":1,"run_id":"{RUN}","bogus":1}}'.encode(),
+                             {"Nats-Msg-Id": "unreadable-1"})
+    core, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(core.run(stop))] + [asyncio.create_task(w.run(stop)) for w in workers]
+    await _queue(js_bus, blobs, 0, _steps()[0])
+    await _wait_version(core, 1)
+    stop.set()
+    await asyncio.gather(*tasks)
+    dead = [m async for m in js_bus.read_raw("GYRE_DEADLETTER", filter_subject=f"gyredlq.trainer-core-{RUN}")]
+    assert len(dead) == 1 and "undecodable" in dead[0].headers["Gyre-Dead-Reason"]

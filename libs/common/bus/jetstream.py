@@ -4,8 +4,9 @@
   storage, server-side de-duplication by ``Nats-Msg-Id`` (= event id).
 - ``publish_many`` pipelines acks (``publish_async``, at most ``max_pending`` in flight).
 - ``run_consumer`` is a durable pull consumer with explicit acks after the handler
-  returns; failures keep stream order (the rest of the batch is handed back), and poison
-  messages go to the dead-letter stream ``GYRE_DEADLETTER`` (``gyredlq.<consumer>``).
+  returns; a failing handler is retried in place, so failures keep stream order and the
+  events behind it are not charged deliveries, and poison messages go to the
+  dead-letter stream ``GYRE_DEADLETTER`` (``gyredlq.<consumer>``).
 - ``read`` replays a stream in order from a sequence or a time with an ordered consumer.
 """
 
@@ -25,7 +26,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from ..events import Context, Event, EventDecodeError, decode
 from .port import (ConcurrencyConflict, ConsumerConfig, Deferred, Delivery, Handler, PermanentError, RawMessage,
-                   StopSignal)
+                   StopSignal, skip_undecodable)
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +208,7 @@ class JetStreamBus:
                     msgs = await sub.fetch(config.batch, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     continue
-                await self._handle_batch(config, handler, msgs)
+                await self._handle_batch(config, handler, msgs, stop)
         finally:
             with contextlib.suppress(Exception):  # the connection may be closing already
                 await sub.unsubscribe()
@@ -229,7 +230,16 @@ class JetStreamBus:
                            f"{config.context.stream} {config.name}) or name this consumer differently")
         return config.name
 
-    async def _handle_batch(self, config: ConsumerConfig, handler: Handler, msgs: list[Any]) -> None:
+    async def _handle_batch(self, config: ConsumerConfig, handler: Handler, msgs: list[Any],
+                            stop: StopSignal) -> None:
+        """Each message in order. A handler that fails is tried again here, after
+        ``retry_delay_s``, with the message and the batch's rest kept claimed meanwhile: the
+        events behind it wait their turn without being charged a delivery, and no event
+        fetched later overtakes them. ``num_delivered`` counts the server's deliveries plus
+        these tries; at ``max_deliver`` the event is dead-lettered and the batch goes on.
+        A :class:`Deferred` event (it waits on something else) is handed back instead, for
+        redelivery after ``retry_delay_s``, and the batch goes on: what it waits on may come
+        after it. Each hand-back counts as a delivery."""
         for i, msg in enumerate(msgs):
             stream, seq, delivered = ack_position(msg)
             try:
@@ -237,27 +247,58 @@ class JetStreamBus:
             except EventDecodeError as exc:
                 await self._dead_letter(config, msg, f"undecodable: {exc}")
                 continue
-            delivery = Delivery(event, stream, seq, msg.subject, delivered)
-            # this event and the batch's rest, which wait their turn
-            beat = asyncio.create_task(_heartbeat(msgs[i:], config.heartbeat_s)) if config.heartbeat_s else None
-            try:
-                await handler(delivery)
-            except PermanentError as exc:
-                await self._dead_letter(config, msg, f"rejected: {exc}")
-                continue
-            except Exception as exc:  # transient: retry in order, or give up after max_deliver
-                if delivered >= config.max_deliver:
-                    await self._dead_letter(config, msg, f"failed {delivered} times: {exc!r}")
-                    continue
-                (log.debug if isinstance(exc, Deferred) else log.warning)(
-                    "consumer %s: seq %s failed (%r); retrying", config.name, seq, exc)
-                for rest in msgs[i:]:
-                    await rest.nak(delay=config.retry_delay_s)
-                return
-            finally:
-                if beat is not None:
-                    beat.cancel()
-            await msg.ack()
+            attempt = delivered
+            while True:
+                failure = await self._attempt(config, handler, msgs[i:],
+                                              Delivery(event, stream, seq, msg.subject, attempt))
+                if failure is None:
+                    await msg.ack()
+                    break
+                if isinstance(failure, PermanentError):
+                    await self._dead_letter(config, msg, f"rejected: {failure}")
+                    break
+                if attempt >= config.max_deliver:
+                    await self._dead_letter(config, msg, f"failed {attempt} times: {failure!r}")
+                    break
+                if isinstance(failure, Deferred):  # handed back: another consumer or a later event goes first
+                    log.debug("consumer %s: seq %s deferred (%s)", config.name, seq, failure)
+                    await msg.nak(delay=config.retry_delay_s)
+                    break
+                log.warning("consumer %s: seq %s failed (%r); retrying", config.name, seq, failure)
+                if not await self._wait_to_retry(config, msgs[i:], stop):
+                    for rest in msgs[i:]:  # stopping: hand them back for whoever consumes next
+                        with contextlib.suppress(Exception):
+                            await rest.nak()
+                    return
+                attempt += 1
+
+    async def _attempt(self, config: ConsumerConfig, handler: Handler, held: list[Any],
+                       delivery: Delivery) -> BaseException | None:
+        """Runs the handler once: None if it returned, else what it raised."""
+        # this event and the batch's rest, which wait their turn
+        beat = asyncio.create_task(_heartbeat(held, config.heartbeat_s)) if config.heartbeat_s else None
+        try:
+            await handler(delivery)
+        except Exception as exc:
+            return exc
+        finally:
+            if beat is not None:
+                beat.cancel()
+        return None
+
+    @staticmethod
+    async def _wait_to_retry(config: ConsumerConfig, held: list[Any], stop: StopSignal) -> bool:
+        """Waits ``retry_delay_s`` while keeping ``held`` claimed; False if ``stop`` came first."""
+        every = config.heartbeat_s or max(config.ack_wait_s / 3, 0.05)
+        beat = asyncio.create_task(_heartbeat(held, every)) if config.retry_delay_s >= every else None
+        try:
+            await asyncio.wait_for(stop.wait(), config.retry_delay_s)
+            return False
+        except (TimeoutError, asyncio.TimeoutError):
+            return not stop.is_set()
+        finally:
+            if beat is not None:
+                beat.cancel()
 
     async def _dead_letter(self, config: ConsumerConfig, msg: Any, reason: str) -> None:
         meta = msg.metadata
@@ -318,7 +359,12 @@ class JetStreamBus:
         async for msg in self.read_raw(context.stream, start_seq=start_seq, start_time=start_time,
                                        filter_subject=filter_subject or context.subjects, until_seq=until_seq):
             meta = msg.metadata
-            yield Delivery(decode(msg.data), meta.stream, meta.sequence.stream, msg.subject, 1)
+            try:
+                event = decode(msg.data)
+            except EventDecodeError as exc:
+                skip_undecodable(meta.stream, meta.sequence.stream, msg.subject, exc)
+                continue
+            yield Delivery(event, meta.stream, meta.sequence.stream, msg.subject, 1)
 
     async def read_raw(
         self,

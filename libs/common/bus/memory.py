@@ -3,6 +3,8 @@
 For pure unit tests of services and for replaying an exported log without a server.
 Streams are lists; a durable consumer's position is kept by name for the bus's lifetime;
 event ids are de-duplicated like ``Nats-Msg-Id`` (for the whole lifetime, not a window).
+One difference: a ``Deferred`` event is tried again in place, as any failure (JetStream
+hands it back and lets the events after it go first).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from ..events import Context, Event, EventDecodeError, decode
-from .port import ConcurrencyConflict, ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal
+from .port import (ConcurrencyConflict, ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal,
+                   skip_undecodable)
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -179,7 +182,12 @@ class InMemoryBus:
             if start_time is not None and item.time < start_time:
                 continue
             if subject_matches(pattern, item.subject):
-                yield Delivery(decode(item.data), context.stream, item.seq, item.subject, 1)
+                try:
+                    event = decode(item.data)
+                except EventDecodeError as exc:
+                    skip_undecodable(context.stream, item.seq, item.subject, exc)
+                    continue
+                yield Delivery(event, context.stream, item.seq, item.subject, 1)
 
 
 __all__ = ["DeadLetter", "InMemoryBus", "subject_matches"]

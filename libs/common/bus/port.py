@@ -7,6 +7,7 @@ exported log). Both pass ``tests/foundation/test_bus_contract.py``.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from datetime import datetime
@@ -50,8 +51,10 @@ class PermanentError(Exception):
 
 class Deferred(Exception):
     """A handler raises this for an event it cannot apply yet (it waits on something else):
-    redelivered after ``retry_delay_s`` like any failure, counted toward ``max_deliver``,
-    but logged quietly (it is no error)."""
+    unlike another failure, which the consumer tries again in place, it is handed back to
+    the server and redelivered after ``retry_delay_s``, while the events after it go on
+    (what it waits on may be one of them; another consumer of the durable may take it);
+    each hand-back counts toward ``max_deliver``, and it is logged quietly (no error)."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +62,9 @@ class ConsumerConfig:
     """A durable consumer: the server remembers its position under ``name``.
 
     ``filter_subject`` narrows the stream (e.g. ``gyre.run1.rollouts.>``). A handler that
-    returns normally gets its message acked; one that raises is redelivered after
-    ``retry_delay_s`` up to ``max_deliver`` times, then dead-lettered (with ``heartbeat_s`` a
+    returns normally gets its message acked; one that raises is tried again after
+    ``retry_delay_s``, in stream order (the events behind it wait and are not charged),
+    up to ``max_deliver`` tries in all, then dead-lettered (with ``heartbeat_s`` a
     running handler keeps its event however long it takes); an event that does
     not decode, or a ``PermanentError``, is dead-lettered at once. Dead letters go to
     ``gyredlq.<name>`` with the reason in the ``Gyre-Dead-Reason`` header.
@@ -105,7 +109,12 @@ class EventBus(Protocol):
         filter_subject: str | None = None,
         until_seq: int | None = None,
     ) -> AsyncIterator[Delivery]:
-        """Replay a stream in order, from a sequence or a time, up to its current end."""
+        """Replay a stream in order, from a sequence or a time, up to its current end.
+
+        A message that is no event this Gyre can read is skipped, with a warning
+        (:func:`skip_undecodable`), as every consumer dead-letters it: a fold of ``read``
+        then matches what the live consumers applied, and a rebuild does not stop on it.
+        Callers that must see such messages use ``read_raw`` or ``follow``."""
 
     async def last_seq(self, context: Context) -> int:
         """The stream's last sequence (0 when empty)."""
@@ -139,3 +148,10 @@ class BlobStore(Protocol):
 
     async def has(self, digest: str) -> bool: ...
 
+
+
+def skip_undecodable(stream: str, seq: int, subject: str, exc: Exception) -> None:
+    """What ``EventBus.read`` does with a message that does not decode: logs it and goes on."""
+    logging.getLogger("libs.common.bus").warning(
+        "%s seq %d (%s) is not an event this Gyre can read, skipped (its consumers dead-letter it): %s",
+        stream, seq, subject, exc)
