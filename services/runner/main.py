@@ -7,15 +7,27 @@ form takes the same call over HTTP on the service's own port::
     POST /run_step {"step": 3, "task_ids": ["slugify", ...], "group_size": 4, "weight_version": 2}
     -> {"outcomes": [{"rollout_id": ..., "status": "finished" | "timed_out", ...}, ...]}
 
-Options (run config or command line): ``proxy_url`` (required), ``work_root``,
-``tasks_dir``, ``harness`` (a preset of ``harness.PRESETS``), ``model``, ``max_parallel``,
-``max_turns``, ``time_limit_scale``, ``keep_workspaces``.
+Options: ``proxy_url`` (required), ``work_root``, ``tasks_dir``, ``harness`` (a preset of
+``harness.PRESETS``), ``model``, ``max_parallel``, ``max_turns`` (the turn budget of a task
+that names none; default 40, ``gyre up`` gives ``harness.max_turns``, 8),
+``time_limit_scale`` (multiplies each task's time limit; a number > 0, default 1),
+``keep_workspaces`` (keep each rollout's workspace after its snapshot; default off).
+``gyre up`` passes them in process from the run config. ``gyre serve runner`` has no
+command-line options for them: it reads environment variables, ``GYRE_PROXY_URL``,
+``GYRE_TASKS_DIR``, ``GYRE_RUNNER_HARNESS``, ``GYRE_RUNNER_WORK_ROOT``,
+``GYRE_RUNNER_MAX_PARALLEL`` and ``GYRE_POLICY_MODEL`` (``gyre/services.py``,
+``RUNNER_ENV``), and ``GYRE_RUNNER_MAX_TURNS``, ``GYRE_RUNNER_TIME_LIMIT_SCALE`` and
+``GYRE_RUNNER_KEEP_WORKSPACES`` (``ENV`` below). A malformed value stops the service at
+start with an error that names its variable.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +42,60 @@ from .runner import RolloutRunner, RunnerConfig
 from .tasks import Task, default_tasks_dir, load_tasks
 
 
+# The options ``gyre serve runner`` reads from the environment here (the others come from
+# ``gyre/services.py``'s ``RUNNER_ENV``): option -> variable.
+ENV = {"max_turns": "GYRE_RUNNER_MAX_TURNS", "time_limit_scale": "GYRE_RUNNER_TIME_LIMIT_SCALE",
+       "keep_workspaces": "GYRE_RUNNER_KEEP_WORKSPACES"}
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
+    """``options`` plus each variable of ``ENV`` that is set and not given already."""
+    extra = {o: environ[v] for o, v in ENV.items() if environ.get(v) and o not in options}
+    return {**options, **extra}
+
+
+def _name(option: str) -> str:
+    return f"{option} ({ENV[option]})" if option in ENV else option
+
+
+def _max_turns(options: dict[str, Any]) -> int:
+    value = options.get("max_turns")
+    if value is None or value == "":
+        return 40
+    try:
+        n = int(value)
+    except (TypeError, ValueError):
+        n = 0
+    if isinstance(value, bool) or n < 1:
+        raise ValueError(f"runner: {_name('max_turns')} must be an integer >= 1, not {value!r}")
+    return n
+
+
+def _time_limit_scale(options: dict[str, Any]) -> float:
+    value = options.get("time_limit_scale")
+    if value is None or value == "":
+        return 1.0
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        x = math.nan
+    if isinstance(value, bool) or not (math.isfinite(x) and x > 0):
+        raise ValueError(f"runner: {_name('time_limit_scale')} must be a finite number > 0, not {value!r}")
+    return x
+
+
+def _keep_workspaces(options: dict[str, Any]) -> bool:
+    value = options.get("keep_workspaces")
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    word = str(value).strip().lower()
+    if word in _TRUE or word in _FALSE:
+        return word in _TRUE
+    raise ValueError(f"runner: {_name('keep_workspaces')} must be 1/true/yes/on or 0/false/no/off, not {value!r}")
+
+
 def runner_config(run_id: str, options: dict[str, Any]) -> RunnerConfig:
     if not options.get("proxy_url"):
         raise ValueError("runner: option proxy_url is required (the proxy's root URL)")
@@ -40,9 +106,8 @@ def runner_config(run_id: str, options: dict[str, Any]) -> RunnerConfig:
     return RunnerConfig(
         run_id=run_id, proxy_url=str(options["proxy_url"]), work_root=work_root, harness=PRESETS[harness],
         model=str(options.get("model") or "policy"), max_parallel=int(options.get("max_parallel") or 4),
-        max_turns=int(options.get("max_turns") or 40),
-        time_limit_scale=float(options.get("time_limit_scale") or 1.0),
-        keep_workspaces=str(options.get("keep_workspaces", "")).lower() in ("1", "true", "yes"))
+        max_turns=_max_turns(options), time_limit_scale=_time_limit_scale(options),
+        keep_workspaces=_keep_workspaces(options))
 
 
 def create_runner(config: RunnerConfig, *, bus: EventBus, blobs: BlobStore) -> RolloutRunner:
@@ -58,9 +123,10 @@ class RunStepRequest(BaseModel):
 
 
 async def runner_main(ctx: ServiceContext) -> None:
-    config = runner_config(ctx.runtime.settings.run_id, ctx.options)
+    options = env_options(ctx.options, os.environ)
+    config = runner_config(ctx.runtime.settings.run_id, options)
     runner = create_runner(config, bus=ctx.runtime.bus, blobs=ctx.runtime.blobs)
-    tasks = {t.task_id: t for t in load_tasks(Path(ctx.options.get("tasks_dir") or default_tasks_dir()))}
+    tasks = {t.task_id: t for t in load_tasks(Path(options.get("tasks_dir") or default_tasks_dir()))}
 
     @ctx.app.post("/run_step")
     async def run_step(body: RunStepRequest) -> dict[str, Any]:

@@ -1,26 +1,36 @@
 """Wiring for ``gyre serve trainer``: settings and live handles in, a training cell running.
 
-The lead registers ``SPEC`` in ``gyre/services.py``. Options (run config or command
-line): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
+The lead registers ``SPEC`` in ``gyre/services.py``. Options, each read from its
+environment variable (``ENV`` below: ``GYRE_TRAINER_<OPTION>``, ``GYRE_MODEL`` for
+``model``, ``GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE`` for ``tp``; ``gyre up`` sets them from
+the run config, ``run_config_options``; ``gyre serve trainer`` has no command-line options
+for them): ``role`` (``core`` | ``satellite``), ``cell``, ``backend`` (``torch`` |
 ``megatron``), ``model`` (an HF folder or ``tiny-qwen``), ``tp``, ``lr``, ``eps_low``,
-``eps_high``, ``tis_cap``, ``kl_coef``, ``max_grad_norm``, ``groups_per_step``,
+``eps_high``, ``tis_cap`` (unset: no truncated importance sampling; ``gyre up``: 2.0),
+``kl_coef``, ``max_grad_norm`` (gradient-norm clipping; default 1.0, 0: none),
+``attention`` (tree attention: ``auto``, the default, picks by length and device, or
+``dense`` | ``flex`` | ``blocks``, ``attention.py``), ``groups_per_step``,
 ``checkpoint_dir``, ``keep_checkpoints`` (the newest N checkpoints kept; default all, which
 ``gyre replay --step`` of any step needs), ``keep_weights`` (the newest N published weight
 versions whose blobs, and disk-mode folders, are kept; default 3, at least 2: the newest
 ``WeightsPublished``'s version, which a resuming or joining cell pulls, and the one before,
 which a lagging inference cell may still use; ``all`` (or 0) keeps every version; replay
-reads checkpoints, not these), ``max_staleness``, ``ack_wait_s``, ``transfer`` (``blob`` |
-``port``: how satellites send gradients; the core reads either), ``publish_to``
+reads checkpoints, not these), ``max_staleness`` (unset: no bound; ``gyre up``: 1),
+``ack_wait_s``, ``transfer`` (``blob`` | ``port``: how satellites send gradients; the core
+reads either), ``publish_to``
 (``cell=url,cell=url``: inference cells to publish weights to), ``publish_mode``
 (``tensor`` | ``disk``), ``publish_pause`` (``none`` | ``in_place``: pause generation
 around every update; an engine that refuses updates while it generates is paused anyway),
 ``follow_role`` (core: its own worker claims micro-steps only between its cell's join and
-leave requests, ``gate.py``; the core applies updates in every role).
+leave requests, ``gate.py``; the core applies updates in every role). A malformed
+``max_grad_norm``, ``attention`` or ``keep_weights`` stops the service at start with an error
+that names its variable.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -57,7 +67,10 @@ ENV = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYR
        "transfer": "GYRE_TRAINER_TRANSFER", "tp": "GYRE_TRAINER_TENSOR_MODEL_PARALLEL_SIZE",
        "ack_wait_s": "GYRE_TRAINER_ACK_WAIT_S", "publish_mode": "GYRE_TRAINER_PUBLISH_MODE",
        "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE", "follow_role": "GYRE_TRAINER_FOLLOW_ROLE",
-       "keep_checkpoints": "GYRE_TRAINER_KEEP_CHECKPOINTS", "keep_weights": "GYRE_TRAINER_KEEP_WEIGHTS"}
+       "keep_checkpoints": "GYRE_TRAINER_KEEP_CHECKPOINTS", "keep_weights": "GYRE_TRAINER_KEEP_WEIGHTS",
+       "max_grad_norm": "GYRE_TRAINER_MAX_GRAD_NORM", "attention": "GYRE_TRAINER_ATTENTION"}
+
+ATTENTION_MODES = ("auto", "dense", "flex", "blocks")  # attention.Mode
 
 
 def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
@@ -84,6 +97,33 @@ def keep_weights(options: dict[str, Any]) -> int | None:
         raise ValueError(f"keep_weights (GYRE_TRAINER_KEEP_WEIGHTS) must be a count of at least {MIN_KEEP_WEIGHTS} "
                          f"(the newest published version and the one before it) or 'all', not {value!r}")
     return n
+
+
+def max_grad_norm(options: dict[str, Any]) -> float:
+    """The ``max_grad_norm`` option: the gradient norm an update is clipped to (0: no clipping)."""
+    value = options.get("max_grad_norm")
+    if value is None or value == "":
+        return 1.0
+    try:
+        norm = float(value)
+    except (TypeError, ValueError):
+        norm = math.nan
+    if isinstance(value, bool) or not (math.isfinite(norm) and norm >= 0):
+        raise ValueError(f"max_grad_norm (GYRE_TRAINER_MAX_GRAD_NORM) must be a finite number >= 0 "
+                         f"(0: no clipping), not {value!r}")
+    return norm
+
+
+def attention_mode(options: dict[str, Any]) -> str:
+    """The ``attention`` option: how tree attention is computed (``attention.py``)."""
+    value = options.get("attention")
+    if value is None or value == "":
+        return "auto"
+    mode = str(value).strip().lower()
+    if mode not in ATTENTION_MODES:
+        raise ValueError(f"attention (GYRE_TRAINER_ATTENTION) must be one of {', '.join(ATTENTION_MODES)}, "
+                         f"not {value!r}")
+    return mode
 
 
 def worker_settings(run_id: str, cell: str, options: dict[str, Any]):
@@ -120,9 +160,9 @@ def train_config(options: dict[str, Any]) -> TrainConfig:
                                   eps_high=_opt(options, "eps_high", float, 0.28),
                                   tis_cap=_opt(options, "tis_cap", float, None),
                                   kl_coef=_opt(options, "kl_coef", float, 0.0)),
-        attention=AttentionConfig(mode=_opt(options, "attention", str, "auto")),
+        attention=AttentionConfig(mode=attention_mode(options)),
         lr=_opt(options, "lr", float, 1e-5),
-        max_grad_norm=_opt(options, "max_grad_norm", float, 1.0),
+        max_grad_norm=max_grad_norm(options),
     )
 
 

@@ -1,10 +1,16 @@
 """Wiring for ``gyre serve trajectory``: settings and live handles in, the service running.
 
-The lead registers ``SPEC`` in ``gyre/services.py``. Options (from the command line, or
-from ``GYRE_TRAJECTORY_<OPTION>`` variables, which is how ``gyre up`` passes the run
-config's ``loss.sample_budget``, ``trainer.micro_step_tokens`` and ``model.name``):
-``budget``, ``seed``, ``micro_step_tokens``, ``max_piece_tokens``, ``group_size``,
-``train_undelivered``, ``advantage_scale`` (``std`` | ``none``), ``model``.
+The lead registers ``SPEC`` in ``gyre/services.py``. Options, each from its
+``GYRE_TRAJECTORY_<OPTION>`` variable (``ENV`` below; ``gyre serve trajectory`` has no
+command-line options for them; ``gyre up`` sets them from the run config's
+``loss.sample_budget``, ``trainer.micro_step_tokens``, ``group_size`` and ``model.name``,
+``run_config_options``): ``budget`` (branches sampled per execution; default 5),
+``seed`` (default 0), ``micro_step_tokens`` (the most tokens in one micro-step; default
+65536, ``gyre up``: 8192), ``max_piece_tokens`` (the size a tree larger than that is cut
+into; default ``micro_step_tokens``), ``group_size`` (rollouts per group, for groups whose
+``RolloutStarted`` states none; default: those started), ``train_undelivered`` (also train
+on calls the agent never received; default off), ``advantage_scale`` (``std``, the
+default, | ``none``), ``model``.
 
 The policy tokenizer. The service tokenises Claude Code's compaction texts with the
 tokenizer the proxy renders with, so that a compaction summary is recognised by its
@@ -125,8 +131,13 @@ def _flag(value: Any) -> bool:
     return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
 
 
-OPTIONS = ("budget", "seed", "micro_step_tokens", "max_piece_tokens", "group_size", "train_undelivered",
-           "advantage_scale", "model")
+# option -> variable: GYRE_TRAJECTORY_<OPTION>, the names ``gyre up`` sets
+ENV = {"budget": "GYRE_TRAJECTORY_BUDGET", "seed": "GYRE_TRAJECTORY_SEED",
+       "micro_step_tokens": "GYRE_TRAJECTORY_MICRO_STEP_TOKENS",
+       "max_piece_tokens": "GYRE_TRAJECTORY_MAX_PIECE_TOKENS", "group_size": "GYRE_TRAJECTORY_GROUP_SIZE",
+       "train_undelivered": "GYRE_TRAJECTORY_TRAIN_UNDELIVERED",
+       "advantage_scale": "GYRE_TRAJECTORY_ADVANTAGE_SCALE", "model": "GYRE_TRAJECTORY_MODEL"}
+OPTIONS = tuple(ENV)
 
 
 def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -148,8 +159,7 @@ def run_config_options(config: Mapping[str, Any]) -> dict[str, Any]:
 
 def env_options(options: dict[str, Any], environ: Mapping[str, str]) -> dict[str, Any]:
     """``options`` plus each ``GYRE_TRAJECTORY_<OPTION>`` that is set and not given already."""
-    extra = {name: environ[f"GYRE_TRAJECTORY_{name.upper()}"] for name in OPTIONS
-             if environ.get(f"GYRE_TRAJECTORY_{name.upper()}") and name not in options}
+    extra = {name: environ[var] for name, var in ENV.items() if environ.get(var) and name not in options}
     return {**options, **extra}
 
 

@@ -241,3 +241,40 @@ def test_the_runner_service_takes_its_options_from_the_environment() -> None:
     environ = {"GYRE_PROXY_URL": "http://p", "GYRE_POLICY_MODEL": "my-policy", "GYRE_RUNNER_MAX_PARALLEL": ""}
     assert runner_env_options({}, environ) == {"proxy_url": "http://p", "model": "my-policy"}
     assert runner_env_options({"model": "given"}, environ)["model"] == "given"  # the command line wins
+
+
+def _runner_config_from(environ: dict[str, str], tmp_path):
+    """What ``gyre serve runner`` builds from these variables (``services/runner/main.py``)."""
+    from services.runner.main import env_options, runner_config
+
+    return runner_config("r1", env_options({"proxy_url": "http://p:1", "work_root": str(tmp_path)}, environ))
+
+
+def test_the_runner_service_takes_max_turns_from_the_environment(tmp_path) -> None:
+    assert _runner_config_from({}, tmp_path).max_turns == 40  # the service's own default
+    assert _runner_config_from({"GYRE_RUNNER_MAX_TURNS": "8"}, tmp_path).max_turns == 8
+    for bad in ("eight", "0", "-3", "2.5"):
+        with pytest.raises(ValueError, match="GYRE_RUNNER_MAX_TURNS"):
+            _runner_config_from({"GYRE_RUNNER_MAX_TURNS": bad}, tmp_path)
+
+
+def test_the_runner_service_takes_time_limit_scale_from_the_environment(tmp_path) -> None:
+    assert _runner_config_from({}, tmp_path).time_limit_scale == 1.0
+    assert _runner_config_from({"GYRE_RUNNER_TIME_LIMIT_SCALE": "2.5"}, tmp_path).time_limit_scale == 2.5
+    for bad in ("fast", "0", "-1", "inf", "nan"):
+        with pytest.raises(ValueError, match="GYRE_RUNNER_TIME_LIMIT_SCALE"):
+            _runner_config_from({"GYRE_RUNNER_TIME_LIMIT_SCALE": bad}, tmp_path)
+
+
+def test_the_runner_service_takes_keep_workspaces_from_the_environment(tmp_path) -> None:
+    assert _runner_config_from({}, tmp_path).keep_workspaces is False
+    for word, kept in (("1", True), ("true", True), ("ON", True), ("0", False), ("no", False), ("off", False)):
+        assert _runner_config_from({"GYRE_RUNNER_KEEP_WORKSPACES": word}, tmp_path).keep_workspaces is kept
+    with pytest.raises(ValueError, match="GYRE_RUNNER_KEEP_WORKSPACES"):
+        _runner_config_from({"GYRE_RUNNER_KEEP_WORKSPACES": "maybe"}, tmp_path)
+
+
+def test_a_runner_option_given_in_process_wins_over_the_environment(tmp_path) -> None:
+    from services.runner.main import env_options
+
+    assert env_options({"max_turns": 8}, {"GYRE_RUNNER_MAX_TURNS": "3"})["max_turns"] == 8
