@@ -164,7 +164,7 @@ def _tree_facts(ev: Any) -> tuple:
     return (ev.TYPE, ev.event_id)
 
 
-async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
+async def replay_trees(nats_url: str, run_id: str, blob_bucket: str = "gyre-blobs") -> dict[str, Any]:
     """Rebuild a run's trees, samples and micro-steps from its rollouts, calls and scores
     (a fresh trajectory service on an in-memory copy of those streams, told only which
     calls each logged TreeSealed held) and compare them with what the live run recorded."""
@@ -176,7 +176,7 @@ async def replay_trees(nats_url: str, run_id: str) -> dict[str, Any]:
 
     bus = await connect_tool_bus(nats_url, name="gyre-replay-trees")
     try:
-        live_blobs = await ObjectStoreBlobStore.open(bus.js)
+        live_blobs = await ObjectStoreBlobStore.open(bus.js, blob_bucket)
         copy = InMemoryBus()
         for ctx in (Context.ROLLOUTS, Context.CALLS, Context.SCORES):
             async for msg in bus.read_raw(ctx.stream, filter_subject=f"gyre.{run_id}.{ctx.value}.>"):
@@ -220,7 +220,7 @@ def run_nats_url(settings: GyreSettings) -> Iterator[str]:
 async def replay_trees_of(settings: GyreSettings) -> dict[str, Any]:
     """``replay_trees`` on ``GYRE_NATS_URL`` or on a finished embedded run's own store."""
     with run_nats_url(settings) as url:
-        return await replay_trees(url, settings.run_id)
+        return await replay_trees(url, settings.run_id, settings.blob_bucket)
 
 
 async def replay_cells(nats_url: str, run_id: str, run_dir: Path) -> dict[str, Any]:

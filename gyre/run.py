@@ -191,13 +191,13 @@ async def _weights_published(bus: JetStreamBus, run_id: str, version: int, timeo
 
 async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Progress, *,
                     trainer_running: bool, score_timeout_s: float = 900.0, eval_only: bool = False,
-                    publish_timeout_s: float = 120.0) -> Progress:
+                    publish_timeout_s: float = 120.0, blob_bucket: str = "gyre-blobs") -> Progress:
     from services.runner.harness import PRESETS, gyre_agent
     from services.runner.main import create_runner, runner_config
 
     bus = await connect_tool_bus(nats_url, name="gyre-run")
     try:
-        blobs = await ObjectStoreBlobStore.open(bus.js)
+        blobs = await ObjectStoreBlobStore.open(bus.js, blob_bucket)  # the services' GYRE_BLOB_BUCKET
         runner = create_runner(runner_config(cfg.run.id, {
             "proxy_url": proxy_url, "harness": cfg.harness.name, "model": cfg.model.policy_name,
             "max_parallel": cfg.harness.max_parallel, "max_turns": cfg.harness.max_turns,

@@ -269,7 +269,8 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
         plan = plan_stack(cfg, _admin_token(settings))
         if follow_role_note(cfg):
             console.print(f"[yellow]{follow_role_note(cfg)}[/]")
-        job = None if check else MainJob(cfg, settings.nats_url or "", proxy_url(plan), eval_split=eval_split)
+        job = None if check else MainJob(cfg, settings.nats_url or "", proxy_url(plan), eval_split=eval_split,
+                                             blob_bucket=settings.blob_bucket)
         if job is not None:  # from here a Ctrl-C stops the run like SIGTERM: the report is still written
             signal.signal(signal.SIGINT, _stop)
         code = _watch(settings, plan, children, env, console, check=check, duration=duration,
@@ -385,10 +386,11 @@ def proxy_url(plan: list[Launch]) -> str:
 class MainJob:
     """The RL steps, run in a thread of their own once the stack is healthy."""
 
-    def __init__(self, cfg: RunConfig, nats_url: str, proxy: str, *, eval_split: str | None = None) -> None:
+    def __init__(self, cfg: RunConfig, nats_url: str, proxy: str, *, eval_split: str | None = None,
+                 blob_bucket: str = "gyre-blobs") -> None:
         from gyre.run import Progress
 
-        self.cfg, self.nats_url, self.proxy = cfg, nats_url, proxy
+        self.cfg, self.nats_url, self.proxy, self.blob_bucket = cfg, nats_url, proxy, blob_bucket
         self.eval_split = eval_split
         self.progress = Progress(steps=cfg.run.steps)
         self.thread: threading.Thread | None = None
@@ -401,7 +403,7 @@ class MainJob:
             try:
                 asyncio.run(run_steps(self.cfg, self.nats_url, self.proxy, self.progress,
                                       trainer_running=self.cfg.cells.count > 0 and self.eval_split is None,
-                                      eval_only=self.eval_split is not None))
+                                      eval_only=self.eval_split is not None, blob_bucket=self.blob_bucket))
             except BaseException as exc:  # shown by finish(); the stack is stopped either way
                 self.error = exc
                 self.progress.status = f"failed: {exc!r}"
@@ -464,7 +466,8 @@ class MainJob:
         result: dict[str, Any] = {}
         for _ in range(4):
             try:
-                result = asyncio.run(asyncio.wait_for(replay_trees(settings.nats_url or "", settings.run_id),
+                result = asyncio.run(asyncio.wait_for(replay_trees(settings.nats_url or "", settings.run_id,
+                                                                   settings.blob_bucket),
                                                       FINISH_TIMEOUT_S))
             except Exception as exc:
                 console.print(f"[red]tree replay failed: {exc!r}[/]")
