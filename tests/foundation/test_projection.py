@@ -145,3 +145,28 @@ async def test_every_drift_class_fits_the_calls_read_model(engine, bus) -> None:
     assert await ProjectionRunner(engine, bus, readmodels).catch_up() == len(calls)
     with Session(engine) as s:
         assert sorted(r.drift for r in s.scalars(select(CallRow))) == sorted(d.value for d in DriftClass)
+
+
+async def test_an_unreachable_database_stalls_the_projection_and_skips_nothing(engine, bus) -> None:
+    """A connection error is no fault of the event's: it is tried again until the database
+    answers (it was dead-lettered after three tries, and the read model lost it)."""
+    from sqlalchemy.exc import OperationalError
+
+    from libs.common.db.projection import Projection
+
+    seen: list[int] = []
+    outage = {"left": 6}
+
+    def apply(session, d) -> None:
+        if outage["left"]:
+            outage["left"] -= 1
+            raise OperationalError("INSERT ...", {}, ConnectionRefusedError("the server is gone"))
+        seen.append(d.seq)
+
+    flaky = Projection("flaky")
+    flaky.on(RunStarted)(apply)
+    await bus.publish(RunStarted(run_id=RUN))
+    runner = ProjectionRunner(engine, bus, flaky, retry_delay_s=0.001)
+    assert await runner.catch_up() == 1
+    assert (seen, runner.dead_lettered, outage["left"]) == ([1], 0, 0)
+    assert offsets(engine, "flaky")["GYRE_RUNS"] == 1

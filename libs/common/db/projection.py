@@ -8,7 +8,10 @@ database, not the server, holds the position, so this works the same for replay 
 exported file.
 
 An event that does not decode, or whose handler keeps failing (``max_attempts``), is
-dead-lettered with the reason and its offset is passed; the projection keeps going.
+dead-lettered with the reason and its offset is passed; the projection keeps going. A
+database that cannot be reached (a connection error, a locked SQLite file) is no fault
+of the event's: the runner waits and tries again for as long as it takes (backing off
+up to ``DB_RETRY_MAX_S``), so an outage stalls the read models and skips nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from sqlalchemy import Engine, select
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session
 
 from ..bus.port import Delivery, EventBus, RawMessage
@@ -29,6 +33,15 @@ from .models import ProjectionOffset
 log = logging.getLogger(__name__)
 
 Apply = Callable[[Session, Delivery], None]
+
+DB_RETRY_MAX_S = 30.0  # the longest wait between tries while the database is unreachable
+
+
+def database_unavailable(exc: BaseException) -> bool:
+    """An error of the connection or the server (not of the event or the handler)."""
+    if isinstance(exc, DBAPIError) and exc.connection_invalidated:
+        return True
+    return isinstance(exc, (OperationalError, InterfaceError))
 
 
 @dataclass
@@ -145,7 +158,8 @@ class ProjectionRunner:
             await self._apply_one(stream, raw)
 
     async def _apply_one(self, stream: str, raw: RawMessage) -> None:
-        for attempt in range(1, self.max_attempts + 1):
+        attempt, outage = 0, 0
+        while True:
             try:
                 await asyncio.to_thread(self._commit_batch, stream, [raw])
                 return
@@ -153,9 +167,19 @@ class ProjectionRunner:
                 reason = f"undecodable: {exc}"
                 break
             except Exception as exc:
+                if database_unavailable(exc):  # not the event's fault: wait for the database
+                    outage += 1
+                    wait = min(self.retry_delay_s * 2 ** min(outage, 10), DB_RETRY_MAX_S)
+                    (log.error if outage in (1, 10) or outage % 100 == 0 else log.debug)(
+                        "projection %s: the database is unavailable (%r); %s seq %d waits, try %d, next in %.1fs",
+                        self.projection.name, exc, stream, raw.seq, outage, wait)
+                    await asyncio.sleep(wait)
+                    continue
+                attempt += 1
                 reason = f"handler failed {attempt} times: {exc!r}"
-                if attempt < self.max_attempts:
-                    await asyncio.sleep(self.retry_delay_s)
+                if attempt >= self.max_attempts:
+                    break
+                await asyncio.sleep(self.retry_delay_s)
         await self.bus.dead_letter(self.consumer_name, raw, reason)
         await asyncio.to_thread(self._commit_batch, stream, [raw], skip=True)
         self.dead_lettered += 1
