@@ -18,9 +18,26 @@ class InvalidRequest(ValueError):
 
 
 # Below this temperature a request samples greedily (as SGLang does: it turns
-# ``0 <= temperature < 1e-6`` into top_k 1). Dividing logits by a smaller one overflows.
+# ``0 <= temperature < 1e-6`` into temperature 1, top_k 1). Dividing logits by a smaller
+# one overflows.
 GREEDY_TEMPERATURE_EPS = 1e-6
+DEFAULT_TEMPERATURE = 1.0  # a request that names none (the embedded engine's and SGLang's default)
 SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes seeds in [0, 2**64)
+
+
+def logprob_temperature(temperature: float | None) -> float:
+    """The temperature a sampled token's logprob is taken under: its logits are divided by
+    it before the softmax. The one rule the engine's sampler, the proxy's record
+    (``CallRecorded.logprob_temperature``) and so the trainer share.
+
+    SGLang returns logprobs of ``log_softmax(logits / temperature)`` and turns a
+    temperature below ``GREEDY_TEMPERATURE_EPS`` into temperature 1 (top_k 1), so: below
+    it 1.0, else the temperature itself (also for a ``top_k`` 1 request: its pick is the
+    argmax, its logprob still tempered). None (not sent): the default, 1.0.
+    """
+    if temperature is None:
+        return DEFAULT_TEMPERATURE
+    return 1.0 if temperature < GREEDY_TEMPERATURE_EPS else float(temperature)
 
 
 class SamplingParams(BaseModel):
@@ -28,7 +45,7 @@ class SamplingParams(BaseModel):
 
     max_new_tokens: int = Field(default=128, ge=0)
     min_new_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=1.0, ge=0.0, allow_inf_nan=False)
+    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = -1  # -1 (or 0): no top-k cut
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
@@ -98,6 +115,11 @@ class SamplingParams(BaseModel):
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE_EPS or self.top_k == 1
+
+    @property
+    def logprob_temperature(self) -> float:
+        """See :func:`logprob_temperature` (not 1.0 for a ``top_k`` 1 pick, as in SGLang)."""
+        return logprob_temperature(self.temperature)
 
 
 def parse_sampling_params(raw: Any) -> SamplingParams:

@@ -1,8 +1,11 @@
 """Picks next tokens from a step's logits, with the logprob of each pick.
 
 Logprobs are those of the distribution the token was drawn from before truncation: the
-temperature-scaled softmax (plain softmax for greedy picks). Each seeded request owns a
-``torch.Generator``, so its samples do not depend on what else shares the batch.
+softmax of the logits divided by ``params.logprob_temperature`` (the request's temperature;
+1.0 below the greedy threshold, as SGLang, so a ``top_k`` 1 pick at temperature 0.7 has
+the 0.7-tempered logprob). The trainer scores tokens under the same temperature
+(``CallRecorded.logprob_temperature``). Each seeded request owns a ``torch.Generator``, so
+its samples do not depend on what else shares the batch.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ def sample(logits: torch.Tensor, specs: list[SampleSpec], vocab_limit: int) -> t
     scored, lse = None, None
     if wanted:
         scored = logits if len(wanted) == len(specs) else logits[wanted]
-        temps = [_temperature(specs[i].params) for i in wanted]
+        temps = [specs[i].params.logprob_temperature for i in wanted]
         if any(t != 1.0 for t in temps):
             scored = scored / torch.tensor(temps)[:, None]
         lse = torch.logsumexp(scored, dim=-1)
@@ -92,10 +95,6 @@ def _pick(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
         if not spec.params.greedy:
             tokens[row] = _draw(logits[row] / spec.params.temperature, spec)
     return tokens
-
-
-def _temperature(params: SamplingParams) -> float:
-    return 1.0 if params.greedy else params.temperature
 
 
 def _draw(scaled: torch.Tensor, spec: SampleSpec) -> int:

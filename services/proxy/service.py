@@ -25,6 +25,7 @@ from libs.common.blobs import encode_logprobs, encode_tokens
 from libs.common.bus.port import BlobStore, ConcurrencyConflict, EventBus
 from libs.common.events import CallRecorded, SessionOpened
 from libs.common.events.calls import CallTimings, SessionHints, WeightSpan
+from services.engine.params import logprob_temperature
 
 from .api.common import ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone
 from .core.decode import IncrementalDecoder
@@ -341,7 +342,8 @@ class ProxyService:
                                                  hints=session_hints))
         req.max_tokens = max_new
         sampling = req.sampling_params(max_new, self.stop_token_ids)
-        call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic(), session_hints)
+        call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic(), session_hints,
+                     logprob_temperature=logprob_temperature(sampling.get("temperature")))
         try:
             async for ev in self._run(call, req, sampling):
                 if isinstance(ev, Finished):
@@ -550,6 +552,7 @@ class ProxyService:
             api=req.api, parent_call_id=call.plan.parent_call_id, prefix_len=call.plan.prefix_len,
             new_input_digest=new_d, n_new_input_tokens=len(call.plan.new_ids), output_digest=out_d,
             logprobs_digest=lp_d, n_output_tokens=len(call.output_ids), weight_spans=call.spans(),
+            logprob_temperature=call.logprob_temperature,
             drift=call.plan.drift, match_index_digest=idx_d, model=req.model,
             finish_reason=call.outcome.finish_reason, delivered=delivered,
             hints=call.hints if call.hints is not None else self._hints(req, hints),
@@ -675,6 +678,8 @@ class _Call:
     input_ids: list[int]
     started: float
     hints: SessionHints | None = None  # what the call was recognised as when it was planned
+    # what the engine tempered the logprobs by: the rule applied to the temperature sent
+    logprob_temperature: float = 1.0
     first_token: float | None = None
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)

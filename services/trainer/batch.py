@@ -10,7 +10,8 @@ starts from, never another sample's. The logits at a token's *parent* predict
 it: that is how the last prefix token predicts every child's first token.
 
 Loss data: only positions with ``loss_mask`` 1 are targets, each with the packing's
-weight (1/N per execution, shared prefixes counted once). The trainer sums weight x
+weight (1/N per execution, shared prefixes counted once) and the temperature its
+behaviour logprob was taken under (the backends divide that target's logits by it). The trainer sums weight x
 token loss and divides by the number of executions in the whole step, so micro-steps
 can be reduced by plain summation.
 
@@ -60,6 +61,9 @@ class TreeBatch:
     behaviour_logprobs: torch.Tensor  # [t] float32
     advantages: torch.Tensor  # [t] float32
     executions: tuple[str, ...]  # distinct rollout ids in this batch
+    # [t] float32: the temperature each target's behaviour logprob was taken under; the
+    # target's logprob is scored from logits / temperature. None: all 1.0 (no division).
+    target_temperatures: torch.Tensor | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -77,7 +81,7 @@ def validate_sample(p: PackedTree, advantage: float, vocab_size: int | None = No
     n = p.n_tokens
     columns = {"position_ids": p.position_ids, "parent_index": p.parent_index, "loss_mask": p.loss_mask,
                "loss_weights": p.loss_weights, "behaviour_logprobs": p.behaviour_logprobs,
-               "weight_versions": p.weight_versions}
+               "weight_versions": p.weight_versions, "logprob_temperatures": p.logprob_temperatures}
     for name, col in columns.items():
         if len(col) != n:
             raise BadSample(f"{name} has {len(col)} entries for {n} tokens")
@@ -89,7 +93,7 @@ def validate_sample(p: PackedTree, advantage: float, vocab_size: int | None = No
         raise BadSample(f"token id outside the vocabulary [0, {vocab_size})")
     _check_segments(p)
     for i in range(n):
-        m, w, lp = p.loss_mask[i], p.loss_weights[i], p.behaviour_logprobs[i]
+        m, w, lp, temp = p.loss_mask[i], p.loss_weights[i], p.behaviour_logprobs[i], p.logprob_temperatures[i]
         if m not in (0, 1):
             raise BadSample(f"loss_mask[{i}] = {m}, not 0/1")
         if m and (p.parent_index[i] < 0):
@@ -98,6 +102,8 @@ def validate_sample(p: PackedTree, advantage: float, vocab_size: int | None = No
             raise BadSample(f"loss_weights[{i}] = {w} disagrees with loss_mask {m}")
         if m and (not math.isfinite(lp) or lp > 1e-4):
             raise BadSample(f"behaviour_logprobs[{i}] = {lp} is not a log-probability")
+        if m and not (math.isfinite(temp) and temp > 0):
+            raise BadSample(f"logprob_temperatures[{i}] = {temp} is not a temperature")
 
 
 def _check_segments(p: PackedTree) -> None:
@@ -146,7 +152,7 @@ def tree_batch(samples: list[tuple[PackedTree, float]], *, merge: bool = True) -
     seg_of: list[int] = []
     for s in range(n_seg):
         seg_of.extend([s] * (ends[s] - forest.segment_starts[s]))
-    src, tgt, w, blp, adv = [], [], [], [], []
+    src, tgt, w, blp, adv, temp = [], [], [], [], [], []
     for (p, advantage), index in zip(samples, forest.index):
         for i in range(p.n_tokens):
             if p.loss_mask[i]:
@@ -155,8 +161,10 @@ def tree_batch(samples: list[tuple[PackedTree, float]], *, merge: bool = True) -
                 w.append(p.loss_weights[i])
                 blp.append(p.behaviour_logprobs[i])
                 adv.append(advantage)
+                temp.append(p.logprob_temperatures[i])
     layout = _layout(seg_of, list(forest.segment_parents), list(forest.segment_starts))
-    return _assemble(list(forest.token_ids), list(forest.position_ids), layout, src, tgt, w, blp, adv, samples)
+    return _assemble(list(forest.token_ids), list(forest.position_ids), layout, src, tgt, w, blp, adv, temp,
+                     samples)
 
 
 def _side_by_side(trees: list[PackedTree]) -> MergedForest:
@@ -176,7 +184,7 @@ def _side_by_side(trees: list[PackedTree]) -> MergedForest:
 def branch_batch(samples: list[tuple[PackedTree, float]]) -> TreeBatch:
     """Every selected branch on its own, shared trained tokens weighted 1/k."""
     tok, pos, seg_of, starts = [], [], [], []
-    src, tgt, w, blp, adv = [], [], [], [], []
+    src, tgt, w, blp, adv, temp = [], [], [], [], [], []
     for p, advantage in samples:
         paths = [_path(p, b.last_token) for b in p.branches]
         k = Counter(i for path in paths for i in path)
@@ -193,8 +201,9 @@ def branch_batch(samples: list[tuple[PackedTree, float]]) -> TreeBatch:
                     w.append(p.loss_weights[i] / k[i])
                     blp.append(p.behaviour_logprobs[i])
                     adv.append(advantage)
+                    temp.append(p.logprob_temperatures[i])
     layout = _layout(seg_of, [-1] * len(starts), starts)
-    return _assemble(tok, pos, layout, src, tgt, w, blp, adv, samples)
+    return _assemble(tok, pos, layout, src, tgt, w, blp, adv, temp, samples)
 
 
 def _path(p: PackedTree, last: int) -> list[int]:
@@ -215,11 +224,13 @@ def _layout(seg_of: list[int], parents: list[int], starts: list[int]) -> TreeLay
     return TreeLayout(torch.tensor(seg_of, dtype=torch.long), visible, torch.tensor(starts, dtype=torch.long))
 
 
-def _assemble(tok, pos, layout, src, tgt, w, blp, adv, samples) -> TreeBatch:
+def _assemble(tok, pos, layout, src, tgt, w, blp, adv, temp, samples) -> TreeBatch:
     executions = tuple(dict.fromkeys(p.rollout_id for p, _ in samples))
+    tempered = any(t != 1.0 for t in temp)
     return TreeBatch(
         input_ids=torch.tensor(tok, dtype=torch.long), position_ids=torch.tensor(pos, dtype=torch.long),
         layout=layout, source_index=torch.tensor(src, dtype=torch.long),
         target_ids=torch.tensor(tgt, dtype=torch.long), weights=torch.tensor(w, dtype=torch.float32),
         behaviour_logprobs=torch.tensor(blp, dtype=torch.float32),
-        advantages=torch.tensor(adv, dtype=torch.float32), executions=executions)
+        advantages=torch.tensor(adv, dtype=torch.float32), executions=executions,
+        target_temperatures=torch.tensor(temp, dtype=torch.float32) if tempered else None)

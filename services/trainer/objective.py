@@ -16,6 +16,12 @@ update per step) and the token is reweighted by the truncated importance weight:
 ``kl_coef`` > 0 adds ``kl_coef * k3(l, ref)`` per token, ``ref`` being reference
 logprobs when given, else the behaviour logprobs (off by default).
 
+``l`` and ``b`` are of the same distribution: the engine returns each token's logprob
+under ``softmax(logits / T)`` and the backends divide their logits by that T (per token,
+``TreeBatch.target_temperatures``) before the softmax, so r = 1 on-policy. The KL term
+sees the same tempered ``l``; reference logprobs, if ever passed, must be taken under the
+same temperatures. There is no entropy term.
+
 Normalisation (the trajectory packing's contract): the micro-step returns
 ``sum_t weight_t loss_t`` (weights are 1/N per execution, shared tokens once); the core
 divides the step's sum by the number of executions in the step.

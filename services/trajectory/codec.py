@@ -3,11 +3,20 @@
 Token arrays: token ids are int32 little-endian, logprobs float32 little-endian, no
 header (the event carries the count). This must match what the proxy writes.
 
-Packed tree (``GYRPK1``)::
+Packed tree (``GYRPK1``, ``GYRPK2``)::
 
     b"GYRPK1\\n" | uint32 LE header length | header JSON (sorted keys, no spaces) |
     token_ids i4 | position_ids i4 | parent_index i4 | loss_mask u1 |
     loss_weights f4 | behaviour_logprobs f4 | weight_versions i4        (all LE, n each)
+
+    b"GYRPK2\\n" | the same | logprob_temperatures f4
+
+``logprob_temperatures`` is the temperature each behaviour logprob was taken under (the
+trainer divides its logits by it). A tree whose temperatures are all 1.0 is written as
+``GYRPK1``, byte for byte what it was before the column existed (same digests; readers
+that know only version 1 still read it); any other as ``GYRPK2``, which such a reader
+refuses (bad magic) instead of training with untempered logprobs. A ``GYRPK1`` blob reads
+with all temperatures 1.0.
 
 The encoding is deterministic, so the digest of a packed tree is a function of its
 content: rebuilding from the log gives the same digests.
@@ -23,7 +32,8 @@ from array import array
 
 from .packing import BranchEnd, PackedTree, Segment
 
-MAGIC = b"GYRPK1\n"
+MAGIC = b"GYRPK1\n"  # all logprob temperatures 1.0: the column is left out
+MAGIC_TEMPERED = b"GYRPK2\n"  # with the logprob_temperatures column
 _COLUMNS = (
     ("token_ids", "i"),
     ("position_ids", "i"),
@@ -33,6 +43,7 @@ _COLUMNS = (
     ("behaviour_logprobs", "f"),
     ("weight_versions", "i"),
 )
+_TEMPERATURE_COLUMN = ("logprob_temperatures", "f")
 
 
 class CodecError(ValueError):
@@ -89,15 +100,20 @@ def encode_packed(p: PackedTree) -> bytes:
         "branches": [[b.call_id, b.role, b.last_token] for b in p.branches],
     }
     head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode()
-    parts = [MAGIC, struct.pack("<I", len(head)), head]
-    for name, code in _COLUMNS:
+    tempered = p.tempered
+    parts = [MAGIC_TEMPERED if tempered else MAGIC, struct.pack("<I", len(head)), head]
+    for name, code in _COLUMNS + ((_TEMPERATURE_COLUMN,) if tempered else ()):
         value = getattr(p, name)
         parts.append(bytes(value) if code == "B" else _le(value))
     return b"".join(parts)
 
 
 def decode_packed(data: bytes) -> PackedTree:
-    if not data.startswith(MAGIC):
+    if data.startswith(MAGIC):
+        columns = _COLUMNS
+    elif data.startswith(MAGIC_TEMPERED):
+        columns = _COLUMNS + (_TEMPERATURE_COLUMN,)
+    else:
         raise CodecError("not a packed tree (bad magic)")
     at = len(MAGIC)
     (n_head,) = struct.unpack_from("<I", data, at)
@@ -106,7 +122,7 @@ def decode_packed(data: bytes) -> PackedTree:
     at += n_head
     n = header["n_tokens"]
     cols = {}
-    for name, code in _COLUMNS:
+    for name, code in columns:
         size = n * array(code).itemsize
         chunk = data[at : at + size]
         if len(chunk) != size:

@@ -10,6 +10,11 @@ Lifecycle of a rollout (``RolloutPhase``)::
     RECORDING --(finished / timed out)--> ENDED --(scored | scoring failed)--> SEALED
     (a score may be seen before the end: the evaluator only scores ended rollouts)
 
+A rollout is sealed only once its ``RolloutStarted`` has been read too: the start names
+the harness whose rules classify the calls (a rebuild reads the rollouts stream first, so
+a seal before the start would label the tree by other rules live than on a replay). A
+start read after the score seals the rollout then.
+
 Sealing emits ``ForkDetected`` for every fork, ``TreeSealed`` (its digest names a JSON
 summary blob for ``gyre tree show``) and ``SamplesSelected`` (digests of the packed trees,
 stored as blobs). When every rollout of a group is sealed, the group's advantages are
@@ -87,6 +92,7 @@ class RolloutState:
     group_id: str | None = None
     step: int = 0
     harness: str = ""
+    started: bool = False  # its RolloutStarted was read (group, step and harness are known)
     purpose: str = "train"  # "eval" rollouts are sealed and shown, never queued for training
     phase: RolloutPhase = RolloutPhase.RECORDING
     score: float | None = None
@@ -131,6 +137,7 @@ class TrajectoryLedger:
         state = self._rollout(ev.rollout_id)
         state.group_id, state.step, state.harness = ev.group_id, ev.step, ev.harness
         state.purpose = ev.purpose
+        state.started = True
         if state.tree is not None:  # calls came first: classify with the harness's rules
             state.tree.config = self.config.tree_config(ev.harness)
         members = self.groups.setdefault(ev.group_id, [])
@@ -138,7 +145,9 @@ class TrajectoryLedger:
             members.append(ev.rollout_id)
         if ev.group_size is not None:  # the runner says how many rollouts the group will have
             self.group_sizes[ev.group_id] = max(ev.group_size, self.group_sizes.get(ev.group_id, 0))
-        if state.phase is RolloutPhase.SEALED:  # its start was read after its score
+        if state.phase is RolloutPhase.ENDED and state.judged:  # its start was read after its score
+            return self.seal(ev.rollout_id, ev)
+        if state.phase is RolloutPhase.SEALED:  # a redelivered start: the group may still be waiting
             return self.queue_group_if_complete(ev.group_id, ev)
         return Effects()
 
@@ -179,15 +188,15 @@ class TrajectoryLedger:
 
     def ready_to_seal(self, rollout_id: str) -> bool:
         state = self.rollouts.get(rollout_id)
-        return bool(state) and state.phase is RolloutPhase.ENDED and state.judged
+        return bool(state) and state.started and state.phase is RolloutPhase.ENDED and state.judged
 
     # ------------------------------------------------------------------ decisions
 
     def seal(self, rollout_id: str, cause: Event) -> Effects:
-        """Seal a judged rollout; queue its group if that completes it."""
+        """Seal a judged, started rollout; queue its group if that completes it."""
         state = self.rollouts[rollout_id]
-        if state.phase is RolloutPhase.SEALED or not state.judged:
-            return Effects()
+        if state.phase is RolloutPhase.SEALED or not state.judged or not state.started:
+            return Effects()  # not started: its start seals it (rollout_started)
         tree = self._tree(state)
         sealed = tree.seal()
         state.phase = RolloutPhase.SEALED
@@ -320,6 +329,7 @@ def call_from_event(ev: CallRecorded, new_input, output, logprobs) -> CallRecord
         weight_version=ev.weight_spans[0].version if ev.weight_spans else 0,
         session_id=ev.session_id, drift=ev.drift.value, finish_reason=ev.finish_reason,
         delivered=ev.delivered,
+        logprob_temperature=1.0 if ev.logprob_temperature is None else ev.logprob_temperature,
         hints=CallHints(agent_id=h.agent_id, system_digest=h.system_digest, tools_digest=h.tools_digest,
                         role=h.role, parent_agent_id=h.parent_agent_id,
                         kind=getattr(h, "kind", None)),  # kind: requested, not in the catalogue yet

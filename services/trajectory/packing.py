@@ -79,10 +79,22 @@ class PackedTree:
     branches: tuple[BranchEnd, ...]
     n_execution_trained_tokens: int
     oversize: bool = False
+    # 'f': the temperature each behaviour logprob was taken under (the trainer divides its
+    # logits by it); 1.0 where not generated. None (the default): all 1.0.
+    logprob_temperatures: array | None = None
+
+    def __post_init__(self) -> None:
+        if self.logprob_temperatures is None:
+            object.__setattr__(self, "logprob_temperatures", array("f", [1.0]) * len(self.token_ids))
 
     @property
     def n_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def tempered(self) -> bool:
+        """Whether any logprob was taken under a temperature other than 1."""
+        return self.logprob_temperatures.count(1.0) != len(self.logprob_temperatures)
 
     @property
     def n_trained_tokens(self) -> int:
@@ -231,7 +243,7 @@ class _Planner:
 
 def _build_piece(tree, chains, masks, entries, selected, ends, k, n_pieces, n_trained, config):
     cols = {name: array(code) for name, code in (
-        ("tok", "i"), ("pos", "i"), ("par", "i"), ("w", "f"), ("lp", "f"), ("ver", "i"))}
+        ("tok", "i"), ("pos", "i"), ("par", "i"), ("w", "f"), ("lp", "f"), ("temp", "f"), ("ver", "i"))}
     mask = bytearray()
     segments: list[Segment] = []
     local: dict[int, int] = {}
@@ -245,6 +257,7 @@ def _build_piece(tree, chains, masks, entries, selected, ends, k, n_pieces, n_tr
         for s, ln in ch.runs:
             cols["tok"].extend(tree.tokens[s : s + ln])
             cols["lp"].extend(tree.logprobs[s : s + ln])
+            cols["temp"].extend(tree.temperatures[s : s + ln])
             cols["ver"].extend(tree.versions[s : s + ln])
         cols["pos"].extend(array("i", range(ch.depth, ch.depth + ch.length)))
         first_parent = segments[parent].offset + segments[parent].length - 1 if parent >= 0 else -1
@@ -266,7 +279,7 @@ def _build_piece(tree, chains, masks, entries, selected, ends, k, n_pieces, n_tr
         token_ids=cols["tok"], position_ids=cols["pos"], parent_index=cols["par"],
         loss_mask=bytes(mask), loss_weights=cols["w"], behaviour_logprobs=cols["lp"],
         weight_versions=cols["ver"], segments=tuple(segments), branches=branch_ends,
-        n_execution_trained_tokens=n_trained, oversize=oversize,
+        n_execution_trained_tokens=n_trained, oversize=oversize, logprob_temperatures=cols["temp"],
     )
 
 
@@ -316,7 +329,7 @@ class MergedForest:
     leading run of *untrained* tokens is merged, radix-tree style, with the runs of the
     same ids at the same positions under the same (merged) parent. Trained tokens, and
     whatever follows them in their segment, stay the tree's own, so each trained token
-    keeps its tree's weight, behaviour logprob and advantage, and the loss is the
+    keeps its tree's weight, behaviour logprob (and its temperature) and advantage, and the loss is the
     unmerged loss. (Context that split pieces repeat is trained in its first piece: only
     its untrained leading run, such as the system prompt, merges with that piece.)
 

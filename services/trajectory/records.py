@@ -77,6 +77,9 @@ class CallRecord:
     finish_reason: str | None = None
     delivered: bool = True
     hints: CallHints = field(default_factory=CallHints)
+    # the temperature its output logprobs were taken under (the engine divided the logits
+    # by it; CallRecorded.logprob_temperature): the trainer scores these tokens the same way
+    logprob_temperature: float = 1.0
 
     @property
     def n_input_tokens(self) -> int:

@@ -27,7 +27,7 @@ from libs.common.events import (CallRecorded, Context, Event, RolloutFinished, R
                                 RolloutScoringFailed, RolloutStarted, RolloutTimedOut, TreeSealed, subject_token)
 
 from .codec import CodecError, decode_ids, decode_logprobs
-from .ledger import Effects, LedgerConfig, TrajectoryLedger, call_from_event
+from .ledger import Effects, LedgerConfig, RolloutPhase, TrajectoryLedger, call_from_event
 from .rollout_tree import CallOutcome
 
 log = logging.getLogger(__name__)
@@ -129,6 +129,13 @@ class TrajectoryService:
             self._call_msgs.setdefault(ev.call_id, RawMessage(d.stream, d.seq, d.subject, ev.to_json()))
             return await self._call(ev)
         if isinstance(ev, RolloutStarted):
+            state = self.ledger.rollouts.get(ev.rollout_id)
+            if state is not None and not state.started and state.phase is RolloutPhase.ENDED and state.judged:
+                # read after its end and its score: this start seals it, so its calls are read
+                # from the log first (as for a seal caused by the score)
+                effects = await self._catch_up_calls(ev.rollout_id)
+                effects.extend(self.ledger.rollout_started(ev))
+                return effects
             return self.ledger.rollout_started(ev)
         if isinstance(ev, (RolloutFinished, RolloutTimedOut)):
             self.ledger.rollout_ended(ev.rollout_id)

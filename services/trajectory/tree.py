@@ -1,9 +1,10 @@
 """The trajectory tree: one radix (compressed prefix) tree over token ids per rollout.
 
 Every distinct (prefix, token) position is stored once, in a flat *arena* of parallel
-arrays (token id, generated-by-the-model flag, behaviour logprob, weight version, the
-call that wrote it). A *node* is a contiguous run of arena slots with one parent; a
-node's children are keyed by their first token. Positions never move: splitting a node
+arrays (token id, generated-by-the-model flag, behaviour logprob, the temperature that
+logprob was taken under, weight version, the call that wrote it). A *node* is a
+contiguous run of arena slots with one parent; a node's children are keyed by their
+first token. Positions never move: splitting a node
 only changes which node owns the slots, so a call's end is kept as an arena index.
 
 Worked example (token ids mean something: 1 = system prompt, 5 = user, 20.. = model)::
@@ -55,6 +56,7 @@ class TrajectoryTree:
         self.tokens = array("i")
         self.generated = bytearray()
         self.logprobs = array("f")
+        self.temperatures = array("f")  # logprob temperature of each generated position, else 1.0
         self.versions = array("i")
         self.origin = array("i")  # call index that wrote (or generated) each position
         self._start: list[int] = [0]
@@ -82,6 +84,8 @@ class TrajectoryTree:
         if len(call.output_logprobs) != len(call.output_ids):
             raise TreeError(f"call {call.call_id}: {len(call.output_logprobs)} logprobs for "
                             f"{len(call.output_ids)} output tokens")
+        if not 0.0 < call.logprob_temperature < float("inf"):
+            raise TreeError(f"call {call.call_id}: logprob temperature {call.logprob_temperature} is not > 0")
         c = len(self.calls)
         tail = array("i", call.new_input_ids)
         out_from = len(tail)
@@ -180,6 +184,7 @@ class TrajectoryTree:
                 o = j - out_from
                 self.generated[q] = 1
                 self.logprobs[q] = call.output_logprobs[o]
+                self.temperatures[q] = call.logprob_temperature
                 self.versions[q] = versions[o]
                 self.origin[q] = c
 
@@ -246,6 +251,8 @@ class TrajectoryTree:
         self.generated.extend(bytes(n_in) + b"\x01" * (n_new - n_in))
         self.logprobs.extend(array("f", bytes(4 * n_in)))
         self.logprobs.extend(array("f", call.output_logprobs[o0:]))
+        self.temperatures.extend(array("f", [1.0]) * n_in)
+        self.temperatures.extend(array("f", [call.logprob_temperature]) * (n_new - n_in))
         self.versions.extend(array("i", [-1]) * n_in)
         self.versions.extend(versions[o0:])
         self.origin.extend(array("i", [c]) * n_new)
@@ -364,13 +371,24 @@ class TrajectoryTree:
             stack.extend((ch, next_id) for ch in reversed(below))
             next_id += 1
 
+    @property
+    def tempered(self) -> bool:
+        """Whether any position's logprob was taken under a temperature other than 1."""
+        return self.temperatures.count(1.0) != len(self.temperatures)
+
     def digest(self) -> str:
-        """sha256 of the canonical tree: same calls, same digest, whatever the node ids."""
+        """sha256 of the canonical tree: same calls, same digest, whatever the node ids.
+
+        The temperature column counts only in a tree that has a temperature other than 1
+        (a tree without one keeps the digest it had before the column existed)."""
         h = hashlib.sha256(b"gyre-trajectory-tree-v1")
+        columns = (self.tokens, self.generated, self.versions, self.logprobs)
+        if self.tempered:
+            columns += (self.temperatures,)
         for nodes, parent_chain in self.chains():
             runs = [(self._start[n], self._len[n]) for n in nodes]
             h.update(array("q", [self._depth[nodes[0]], parent_chain, sum(ln for _, ln in runs)]).tobytes())
-            for column in (self.tokens, self.generated, self.versions, self.logprobs):
+            for column in columns:
                 for s, ln in runs:
                     h.update(bytes(column[s : s + ln]) if column is self.generated
                              else column[s : s + ln].tobytes())

@@ -129,18 +129,77 @@ def test_tree_summary_is_json():
     assert doc["stored_tokens"] <= doc["flattened_tokens"]
 
 
-def test_a_start_read_after_the_score_still_completes_the_group():
+def test_a_start_read_after_the_score_seals_the_rollout_and_completes_the_group():
+    """The score alone does not seal (the harness, hence the rules, is not known yet);
+    the start then seals it and queues its group."""
     ledger = TrajectoryLedger(LedgerConfig(RUN, group_size=1))
     for c in _calls("r1", 2):
         ledger.call_recorded(c)
-    sealed = _score(ledger, "r1", 1.0)
-    assert not any(isinstance(e, MicroStepQueued) for e in sealed.events)
-    late = ledger.rollout_started(RolloutStarted(run_id=RUN, rollout_id="r1", task_id="t", group_id="g",
-                                                 harness="claude_code", weight_version=0,
-                                                 api_key_digest="a" * 64, step=2))
-    step, group = late.events
+    assert _score(ledger, "r1", 1.0).events == []
+    assert not ledger.ready_to_seal("r1") and ledger.rollouts["r1"].phase is RolloutPhase.ENDED
+    start = RolloutStarted(run_id=RUN, rollout_id="r1", task_id="t", group_id="g", harness="claude_code",
+                           weight_version=0, api_key_digest="a" * 64, step=2)
+    late = ledger.rollout_started(start)
+    assert ledger.rollouts["r1"].phase is RolloutPhase.SEALED
+    assert [e.TYPE for e in late.events] == ["ForkDetected", "ForkDetected", "TreeSealed", "SamplesSelected",
+                                             "MicroStepQueued", "GroupQueued"]
+    step, group = late.events[-2:]
     assert isinstance(step, MicroStepQueued) and step.step == 2 and step.group_micro_steps == 1
     assert isinstance(group, GroupQueued) and (group.step, group.micro_steps, group.rollout_ids) == (2, 1, ["r1"])
+    assert ledger.rollout_started(start).events == []  # a redelivered start: queued once
+
+
+def _claude_code_compaction_timeout():
+    """A Claude Code rollout cut off while compacting: its last delivered call is the
+    compaction request, told from an ordinary turn only by the harness's summary marker."""
+    from services.trajectory.forks import CLAUDE_CODE_SUMMARY_TEXTS
+    from services.trajectory.records import CallHints, CallRecord
+
+    def enc(text):
+        return [1000 + (ord(ch) % 200) for ch in text]
+
+    hints = CallHints(system_digest="5" * 64, tools_digest="7" * 64)
+    instruction = enc(CLAUDE_CODE_SUMMARY_TEXTS[0])
+
+    def call(cid, new, out, parent=None, prefix=0):
+        return CallRecord(cid, "r1", new, out, [-0.5] * len(out), parent, prefix, hints=hints)
+
+    calls = [call("a", [1, 10, 2, 1, 11, 2], [20, 21, 2]), call("b", [3, 90, 91], [22, 23, 2], "a", 9),
+             call("s", [3, 92] + instruction, [40, 41, 42, 2], "b", 15)]
+    return enc, calls
+
+
+def test_a_score_read_before_the_start_seals_with_the_harness_rules_as_a_replay_does():
+    """Live, the scores stream may be read ahead of the rollouts stream; a rebuild reads
+    the start first. Both must seal with the harness's rules (here Claude Code's summary
+    marker) and so select the same samples with the same roles and digests."""
+    from services.trajectory.main import harness_rules
+
+    enc, calls = _claude_code_compaction_timeout()
+    start = RolloutStarted(run_id=RUN, rollout_id="r1", task_id="t", group_id="g", harness="claude_code",
+                           weight_version=0, api_key_digest="a" * 64, step=0)
+    score = RolloutScored(run_id=RUN, rollout_id="r1", score=0.3, partial=True)
+
+    def run(start_first: bool):
+        ledger = TrajectoryLedger(LedgerConfig(RUN, group_size=1, rules=harness_rules(enc)))
+        effects = ledger.rollout_started(start) if start_first else None
+        for c in calls:
+            assert not ledger.call_recorded(c).rejected
+        ledger.rollout_ended("r1")
+        ledger.rollout_judged(score)
+        sealed = ledger.seal("r1", score)
+        if start_first:
+            effects.extend(sealed)
+        else:
+            assert sealed.events == [] and not ledger.ready_to_seal("r1")
+            effects = ledger.rollout_started(start)
+        return [(s.role, s.digest) for e in effects.events if isinstance(e, SamplesSelected) for s in e.samples], \
+            [e.TYPE for e in effects.events]
+
+    replay, live = run(True), run(False)
+    assert replay == live
+    assert [role for role, _ in replay[0]] == ["main_summary"]
+    assert replay[1][-2:] == ["MicroStepQueued", "GroupQueued"]
 
 
 def test_a_group_with_nothing_to_train_is_still_queued_as_a_group():

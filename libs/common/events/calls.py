@@ -71,10 +71,11 @@ class SessionOpened(Event):
 class CallRecorded(Event):
     CONTEXT = Context.CALLS
     KEY = "rollout_id"
-    # 2: ``drift`` may be ``think_stripped``. A reader that knows only version 1 then fails on
-    # every newer call with "newer than this Gyre knows" (and dead-letters it, keeping its
-    # bytes) instead of on some calls with an invalid enum value: upgrade the proxy and the
-    # readers of the calls stream (trajectory, projection) together.
+    # 2: ``drift`` may be ``think_stripped``, and ``logprob_temperature`` is new (a version 1
+    # event reads as None: 1.0). A reader that knows only version 1 then fails on every newer
+    # call with "newer than this Gyre knows" (and dead-letters it, keeping its bytes) instead
+    # of on some calls with an invalid enum value or an unknown field: upgrade the proxy and
+    # the readers of the calls stream (trajectory, projection) together.
     SCHEMA_VERSION = 2
     call_id: str = Field(min_length=1)
     rollout_id: str = Field(min_length=1)
@@ -87,6 +88,12 @@ class CallRecorded(Event):
     output_digest: Digest
     logprobs_digest: Digest
     n_output_tokens: int = Field(ge=0)
+    # The temperature the output logprobs were taken under: the engine divided the logits by
+    # it before the softmax (SGLang's default; the proxy records the temperature it sent, 1.0
+    # for a greedy call, services/engine/params.logprob_temperature). The trainer divides its
+    # logits by the same before scoring these tokens, so the ratio is 1 on-policy.
+    # None: 1.0 (untempered), as for every version 1 event.
+    logprob_temperature: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     weight_spans: list[WeightSpan] = Field(default_factory=list)
     drift: DriftClass = DriftClass.FRESH
     # message-boundary index of this call (hash chain -> token offset), so another proxy
@@ -102,7 +109,8 @@ class CallRecorded(Event):
 
 @upcaster("CallRecorded", 1)
 def _call_recorded_v1_to_v2(payload: dict[str, Any]) -> dict[str, Any]:
-    """Version 1 had the same fields; only the set of drift classes grew."""
+    """Version 1 had the same fields but ``logprob_temperature`` (absent: None, read as 1.0);
+    the set of drift classes grew."""
     return payload
 
 

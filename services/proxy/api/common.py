@@ -7,6 +7,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.engine.params import DEFAULT_TEMPERATURE
+
 from ..core.messages import Msg, ToolCall, ToolSpec
 
 MAX_STOP_SEQUENCES = 16
@@ -46,11 +48,14 @@ class ChatRequest:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def sampling_params(self, default_max_tokens: int, stop_token_ids: list[int]) -> dict[str, Any]:
+        """SGLang's ``sampling_params`` for the call. The temperature is always sent (the
+        engines' default, 1.0, when the caller named none): the behaviour logprobs are
+        tempered by it and the record must say by what, whatever defaults a cell was
+        started with (SGLang's ``--preferred-sampling-params``)."""
         sp: dict[str, Any] = {"max_new_tokens": self.max_tokens or default_max_tokens,
                               "stop_token_ids": list(stop_token_ids), "skip_special_tokens": False,
-                              "no_stop_trim": True}
-        if self.temperature is not None:
-            sp["temperature"] = self.temperature
+                              "no_stop_trim": True,
+                              "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature}
         if self.top_p is not None:
             sp["top_p"] = self.top_p
         if self.top_k is not None:

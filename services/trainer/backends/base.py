@@ -29,8 +29,33 @@ class PolicyBackend(Protocol):
     def load_hf_state_dict(self, state: dict[str, "torch.Tensor"]) -> None: ...
 
 
-def gather_logprobs(logits: "torch.Tensor", targets: "torch.Tensor") -> "torch.Tensor":
+def gather_logprobs(logits: "torch.Tensor", targets: "torch.Tensor", temperatures: "torch.Tensor | None" = None,
+                    *, in_place: bool = False) -> "torch.Tensor":
+    """``log_softmax(logits / temperature)`` at each target ([t, V] logits, [t] targets).
+
+    ``temperatures`` ([t], None: all 1.0) are those the behaviour logprobs were taken under
+    (as the engine samples: SGLang returns tempered logprobs), so the ratio is 1 on-policy.
+    ``in_place``: see :func:`tempered_logits`.
+    """
     import torch
 
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(-1, targets[:, None]).squeeze(-1)
+    scaled = tempered_logits(logits, temperatures, in_place=in_place)
+    return torch.log_softmax(scaled, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def tempered_logits(logits: "torch.Tensor", temperatures: "torch.Tensor | None", *,
+                    in_place: bool = False) -> "torch.Tensor":
+    """``logits`` in float32, each row divided by its temperature (``temperatures``: one
+    per entry of the leading dimension; None: the logits as they are, no copy for float32).
+
+    ``in_place`` divides the caller's tensor (or its float32 copy) instead of a new one: for
+    a backend's own lm-head output, which no backward needs (a linear layer keeps its input
+    and weight), so that tempering costs no second [t, V] tensor.
+    """
+    import torch
+
+    scaled = logits.float()
+    if temperatures is None:
+        return scaled
+    t = temperatures.to(scaled.device, torch.float32).view(-1, *([1] * (scaled.dim() - 1)))
+    return scaled.div_(t) if in_place else scaled / t

@@ -28,6 +28,7 @@ import torch
 
 from ..attention import AttentionConfig, TreeAttention
 from ..batch import TreeBatch
+from .base import tempered_logits
 from .convert import Shape, hf_to_mcore, mcore_to_hf, shard, unshard
 from .torch_hf import TinyModelConfig
 
@@ -146,7 +147,10 @@ class MegatronBackend:
         logits, _ = m.output_layer(h, weight=weight)  # [t, 1, vocab / tp]: this rank's vocab shard
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-        return -vocab_parallel_cross_entropy(logits.float(), batch.target_ids.to(device)[:, None])[:, 0]
+        # divided by the behaviour logprobs' temperatures (each shard by the same: the
+        # softmax over the whole vocabulary is that of logits / T)
+        scaled = tempered_logits(logits, batch.target_temperatures, in_place=True)
+        return -vocab_parallel_cross_entropy(scaled, batch.target_ids.to(device)[:, None])[:, 0]
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)

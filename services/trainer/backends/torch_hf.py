@@ -93,7 +93,7 @@ class TorchBackend:
             input_ids=batch.input_ids[None].to(device), position_ids=batch.position_ids[None].to(device),
             gyre_tree=tree, use_cache=False).last_hidden_state[0]
         logits = self.model.lm_head(hidden[batch.source_index.to(device)])
-        return gather_logprobs(logits, batch.target_ids.to(device))
+        return gather_logprobs(logits, batch.target_ids.to(device), batch.target_temperatures, in_place=True)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         return ((n, p) for n, p in self.model.named_parameters() if p.requires_grad)

@@ -1,0 +1,84 @@
+"""The proxy records, per call, the temperature the engine's logprobs were taken under:
+the one it sent (the default 1.0 when the agent named none; 1.0 for a greedy call, a
+top_k 1 call keeps its temperature). On the real embedded engine, the trainer scoring the
+recorded tokens under that temperature gets the recorded logprobs back (ratio 1)."""
+
+from __future__ import annotations
+
+from array import array
+
+import anthropic
+import pytest
+import torch
+
+from libs.common.blobs import decode_logprobs
+from services.engine.main import build
+from services.engine.settings import EngineSettings
+from services.proxy.api.common import ChatRequest
+
+from ._fakes import Served
+from .conftest import RUN
+from .tito_check import recorded_calls
+
+
+@pytest.fixture(scope="module")
+def real_engine(model_dir):
+    service = build(EngineSettings(model="tiny-qwen", num_threads=1))
+    served = Served(service.app)
+    yield served
+    served.stop()
+    service.close()
+
+
+def test_the_temperature_is_always_sent():
+    def sent(**kw):
+        return ChatRequest(api="openai_chat", model="m", messages=[], **kw).sampling_params(8, [])["temperature"]
+
+    assert (sent(), sent(temperature=0.7), sent(temperature=0.0)) == (1.0, 0.7, 0.0)
+
+
+def _packed(input_ids, output_ids, logprobs, temperature):
+    from services.trajectory.packing import BranchEnd, PackedTree, Segment
+
+    n_in, n = len(input_ids), len(input_ids) + len(output_ids)
+    mask = bytes([0] * n_in + [1] * len(output_ids))
+    return PackedTree(
+        rollout_id="r", piece=0, n_pieces=1, role="main", token_ids=array("i", input_ids + output_ids),
+        position_ids=array("i", range(n)), parent_index=array("i", range(-1, n - 1)), loss_mask=mask,
+        loss_weights=array("f", [1.0 / len(output_ids) if m else 0.0 for m in mask]),
+        behaviour_logprobs=array("f", [0.0] * n_in + list(logprobs)),
+        weight_versions=array("i", [-1] * n_in + [0] * len(output_ids)), segments=(Segment(0, n, -1, 0),),
+        branches=(BranchEnd("c", "main", n - 1),), n_execution_trained_tokens=len(output_ids),
+        logprob_temperatures=array("f", [1.0] * n_in + [temperature] * len(output_ids)))
+
+
+async def test_the_proxy_records_the_temperature_it_sent(proxy, real_engine, model_dir) -> None:
+    for name in list(proxy.service.router.cells):
+        proxy.service.router.remove_cell(name)
+    proxy.service.add_cell("real", real_engine.url, capacity=4)
+    base = await proxy.rollout("temp-1")
+    client = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0)
+    asks = {"t0.7": {"temperature": 0.7}, "default": {}, "greedy": {"temperature": 0.0},
+            "top_k1": {"temperature": 0.6, "top_k": 1}}
+    for label, extra in asks.items():  # one conversation each (no reuse between them)
+        await client.messages.create(model="claude-opus-4-8", max_tokens=8, system=f"Case {label}.",
+                                     messages=[{"role": "user", "content": f"Say something ({label})."}],
+                                     extra_body=extra)
+    recorded = list((await recorded_calls(proxy.bus, proxy.blobs, RUN)).values())
+    assert [r.event.logprob_temperature for r in recorded] == [0.7, 1.0, 1.0, 0.6]
+
+    # the trainer's path on the engine's own weights: the recorded logprobs come back
+    from services.trainer.attention import AttentionConfig
+    from services.trainer.backends.torch_hf import TorchBackend
+    from services.trainer.batch import tree_batch
+
+    backend = TorchBackend.from_pretrained(model_dir)
+    for r in recorded:
+        logprobs = decode_logprobs(await proxy.blobs.get(r.event.logprobs_digest))
+        assert len(logprobs) == len(r.output_ids) > 0
+        p = _packed(r.input_ids, r.output_ids, logprobs, r.event.logprob_temperature)
+        batch = tree_batch([(p, 1.0)])
+        with torch.no_grad():
+            lp = backend.target_logprobs(batch, AttentionConfig())
+        ratio = torch.exp(lp - batch.behaviour_logprobs)
+        assert torch.allclose(ratio, torch.ones_like(ratio), atol=2e-3), (r.event.logprob_temperature, ratio)
