@@ -172,6 +172,8 @@ class CoreTrainer:
                 log.error("core: %s seq %d is not an event this core can read (%s); dead-lettered, skipped",
                           raw.stream, raw.seq, exc)
                 await self.bus.dead_letter(f"trainer-core-{self.settings.run_id}", raw, f"undecodable: {exc}")
+                if context is Context.TRAINING:  # passed, as a handled one would be
+                    self.state.consumed["training"] = raw.seq
                 continue
             async with self._lock:
                 await handler(event, raw.seq)

@@ -17,6 +17,7 @@ end (they were all recorded before the rollout ended, hence before it was scored
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from dataclasses import dataclass
@@ -31,6 +32,9 @@ from .ledger import Effects, LedgerConfig, RolloutPhase, TrajectoryLedger, call_
 from .rollout_tree import CallOutcome
 
 log = logging.getLogger(__name__)
+
+CARRY_OUT_RETRY_S = 0.5  # the first wait before a failed store/publish is tried again, doubling
+CARRY_OUT_RETRY_MAX_S = 30.0
 
 _CONSUMED = (Context.ROLLOUTS, Context.CALLS, Context.SCORES)
 
@@ -54,6 +58,7 @@ class TrajectoryService:
         self._published: set[str] = set()
         # what a decision asked for and was not all carried out yet (see ``handle``)
         self._unsent: Effects | None = None
+        self._stop: StopSignal | None = None
         self._call_msgs: dict[str, RawMessage] = {}
         # rollout -> the calls its logged TreeSealed holds (from the tree's summary blob): a
         # rebuild seals it with those, not with a call recorded after the live seal
@@ -67,6 +72,7 @@ class TrajectoryService:
 
     async def run(self, stop: StopSignal) -> None:
         """Rebuild from the log, then follow the three streams until ``stop``."""
+        self._stop = stop
         await self.rebuild()
         await asyncio.gather(*(self.bus.run_consumer(cfg, self.handle, stop=stop)
                                for cfg in self.consumer_configs()))
@@ -104,22 +110,44 @@ class TrajectoryService:
     async def handle(self, delivery: Delivery) -> None:
         """Decides on one event, then stores and publishes what it asks for. The ledger
         changes as it decides; what that asks for waits in ``_unsent`` until it is all
-        carried out. If that fails (the blob store or the bus is down), the handler raises
-        and the event is tried again; the next event of any stream first carries out what
-        is still unsent before anything new is decided: a redelivered event finds the
-        ledger past it, so without this its effects (a seal's ``TreeSealed``, samples and
-        micro-steps, say) would be lost to the live run. Carrying out twice is harmless:
-        blobs are content-addressed, events have deterministic ids (``_published`` and
-        JetStream's de-duplication drop a copy), and dead letters have fixed ids."""
+        carried out, tried again with backoff for as long as the blob store or the bus
+        stays down (``_carry_out_patiently``): the event is past the ledger, so failing it
+        would lose its effects (a seal's ``TreeSealed``, samples and micro-steps) to the
+        live run, and charging the outage to the events behind it would dead-letter events
+        never decided on. If the service stops meanwhile, what is unsent is carried out
+        before the next event is decided (a restart rebuilds it from the log). Carrying out
+        twice is harmless: blobs are content-addressed, events have deterministic ids
+        (``_published`` and JetStream's de-duplication drop a copy), and dead letters have
+        fixed ids."""
         async with self._lock:
             if self._unsent is not None:
-                await self._carry_out(self._unsent)
+                await self._carry_out_patiently(self._unsent)
                 self._unsent = None
             self._unsent = Effects()
             effects = await self._decide(delivery)
             self._unsent.extend(effects)
-            await self._carry_out(self._unsent)
+            await self._carry_out_patiently(self._unsent)
             self._unsent = None
+
+    async def _carry_out_patiently(self, effects: Effects) -> None:
+        failures = 0
+        while True:
+            try:
+                await self._carry_out(effects)
+                return
+            except Exception as exc:
+                failures += 1
+                if self._stop is not None and self._stop.is_set():
+                    raise  # stopping: the event is handed back, the effects stay in _unsent
+                wait = min(CARRY_OUT_RETRY_S * 2 ** min(failures - 1, 8), CARRY_OUT_RETRY_MAX_S)
+                (log.error if failures == 1 or failures % 20 == 0 else log.warning)(
+                    "storing or publishing a decision's effects failed (%r, %d time(s)); tried again in %.1fs",
+                    exc, failures, wait)
+                if self._stop is None:
+                    await asyncio.sleep(wait)
+                else:
+                    with contextlib.suppress(TimeoutError, asyncio.TimeoutError):
+                        await asyncio.wait_for(self._stop.wait(), wait)
 
     async def _decide(self, d: Delivery) -> Effects:
         ev = d.event

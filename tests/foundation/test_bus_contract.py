@@ -245,6 +245,37 @@ async def test_a_heartbeat_keeps_a_slow_handlers_claim(nats_server, heartbeat_s)
         await bus.close()
 
 
+async def test_an_event_retried_in_place_stays_claimed_by_its_worker(nats_server) -> None:
+    """Two workers share a queue with a 1.5 s ack wait; the first fails its event again and
+    again, 0.3 s apart, for longer than that: the claim is renewed as each wait starts, so
+    the second never gets the event while the first still retries it."""
+    from libs.common.bus.jetstream import JetStreamBus
+
+    bus = await JetStreamBus.connect(nats_server.url)
+    try:
+        await bus.publish(started(0))
+        cfg = ConsumerConfig(name="retry", context=Context.ROLLOUTS, batch=1, ack_wait_s=1.5, heartbeat_s=0.5,
+                             retry_delay_s=0.3, max_deliver=12)
+        seen: list[tuple[str, int]] = []
+        stop = asyncio.Event()
+
+        def worker(tag: str):
+            async def handle(d: Delivery) -> None:
+                seen.append((tag, d.num_delivered))
+                if len(seen) >= 10:
+                    stop.set()
+                    return
+                raise RuntimeError("transient")
+
+            return handle
+
+        await asyncio.wait_for(asyncio.gather(bus.run_consumer(cfg, worker("a"), stop=stop),
+                                              bus.run_consumer(cfg, worker("b"), stop=stop)), 15)
+        assert len({tag for tag, _ in seen}) == 1 and [n for _, n in seen] == list(range(1, 11))
+    finally:
+        await bus.close()
+
+
 async def test_a_durable_that_follows_another_runs_subjects_is_refused(nats_server) -> None:
     """A durable consumer made by a service of another run (same name, that run's filter)
     is not silently bound to: the service would never see its own run's events."""

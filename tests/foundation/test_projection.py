@@ -170,3 +170,25 @@ async def test_an_unreachable_database_stalls_the_projection_and_skips_nothing(e
     assert await runner.catch_up() == 1
     assert (seen, runner.dead_lettered, outage["left"]) == ([1], 0, 0)
     assert offsets(engine, "flaky")["GYRE_RUNS"] == 1
+
+
+def test_only_connection_and_server_errors_count_as_an_unavailable_database() -> None:
+    from sqlalchemy.exc import IntegrityError, OperationalError
+
+    from libs.common.db.projection import database_unavailable
+
+    class PgError(Exception):
+        def __init__(self, sqlstate: str) -> None:
+            self.sqlstate = sqlstate
+
+    def op(orig) -> OperationalError:
+        return OperationalError("SELECT 1", {}, orig)
+
+    assert database_unavailable(op(ConnectionRefusedError("gone")))  # no SQLSTATE: SQLite, a lost socket
+    assert database_unavailable(op(PgError("08006")))  # connection failure
+    assert database_unavailable(op(PgError("57P01")))  # admin shutdown
+    assert database_unavailable(op(PgError("53300")))  # too many connections
+    assert not database_unavailable(op(PgError("57014")))  # this statement was cancelled
+    assert not database_unavailable(op(PgError("54000")))  # this statement's program limit
+    assert not database_unavailable(IntegrityError("INSERT", {}, PgError("23505")))
+    assert not database_unavailable(ValueError("a handler's bug"))

@@ -1,6 +1,7 @@
 """Nothing a decision asks for is lost to a failed write: the ledger moves on as it
 decides, so what a seal (or a rejected call) asks for is kept until it is all stored and
-published, and carried out before the next event is decided; a rebuild passes over what
+published, tried again until the outage ends, before the next event is decided; events
+that arrive meanwhile wait, and are not dead-lettered for it. A rebuild passes over what
 the consumers dead-lettered instead of stopping on it."""
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ async def _one_rollout(bus, blobs, *, score=True):
         await bus.publish(RolloutScored(run_id=RUN, rollout_id="r1", score=1.0))
 
 
-async def test_a_seal_whose_publish_failed_is_published_when_the_score_is_tried_again():
+async def test_a_seal_whose_publish_failed_is_published_when_tried_again():
     bus, blobs = InMemoryBus(), MemoryBlobStore()
     await _one_rollout(bus, blobs, score=False)
     flaky = _FailsOnce(bus, "seal")
@@ -116,3 +117,52 @@ async def test_a_rebuild_passes_over_what_the_consumers_dead_lettered():
     again = create_service(LedgerConfig(RUN, group_size=1), bus=bus, blobs=blobs)
     await again.rebuild()  # reads the same log: the bad message is skipped, not raised
     assert [e.event_id for e in await _trees(bus)] == before
+
+
+async def test_an_outage_longer_than_the_consumers_retries_loses_no_event(monkeypatch):
+    """The bus is down for longer than a consumer's five tries a second apart, from a seal
+    on: the events that arrive meanwhile (another rollout's start) wait for the seal's
+    effects, and are decided on once they are out, not dead-lettered."""
+    import services.trajectory.service as service_module
+
+    monkeypatch.setattr(service_module, "CARRY_OUT_RETRY_S", 0.1)
+    monkeypatch.setattr(service_module, "CARRY_OUT_RETRY_MAX_S", 0.3)
+
+    class Outage:
+        def __init__(self, bus):
+            self.bus, self.down = bus, False
+
+        def __getattr__(self, name):
+            return getattr(self.bus, name)
+
+        async def publish_many(self, events):
+            if self.down:
+                raise ConnectionError("nats: timeout")
+            return await self.bus.publish_many(events)
+
+    bus, blobs = InMemoryBus(), MemoryBlobStore()
+    await _one_rollout(bus, blobs, score=False)
+    flaky = Outage(bus)
+    service = create_service(LedgerConfig(RUN, group_size=1), bus=flaky, blobs=blobs)
+    stop = asyncio.Event()
+    task = asyncio.create_task(service.run(stop))
+    try:
+        await asyncio.sleep(0.3)
+        flaky.down = True
+        await bus.publish(RolloutScored(run_id=RUN, rollout_id="r1", score=1.0))  # its seal is unsent
+        await asyncio.sleep(0.2)
+        await bus.publish(_started("r2", group="g2"))
+        await asyncio.sleep(5.5)
+        flaky.down = False
+        await _publish_calls(bus, blobs, _rollout_calls("r2", 1))
+        await bus.publish(RolloutFinished(run_id=RUN, rollout_id="r2", wall_time_s=1))
+        await bus.publish(RolloutScored(run_id=RUN, rollout_id="r2", score=0.0))
+        for _ in range(300):
+            if {e.rollout_id for e in await _trees(bus) if isinstance(e, TreeSealed)} == {"r1", "r2"}:
+                break
+            await asyncio.sleep(0.02)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 3)
+    assert bus.dead_letters == []
+    assert {e.rollout_id for e in await _trees(bus) if isinstance(e, TreeSealed)} == {"r1", "r2"}

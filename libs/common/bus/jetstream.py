@@ -288,9 +288,17 @@ class JetStreamBus:
 
     @staticmethod
     async def _wait_to_retry(config: ConsumerConfig, held: list[Any], stop: StopSignal) -> bool:
-        """Waits ``retry_delay_s`` while keeping ``held`` claimed; False if ``stop`` came first."""
+        """Waits ``retry_delay_s`` while keeping ``held`` claimed (their claim is renewed as
+        the wait starts, then every ``heartbeat_s``, or a third of ``ack_wait_s``): so the
+        server never hands them to another fetcher while they wait here. False if ``stop``
+        came first."""
         every = config.heartbeat_s or max(config.ack_wait_s / 3, 0.05)
-        beat = asyncio.create_task(_heartbeat(held, every)) if config.retry_delay_s >= every else None
+        for msg in held:
+            try:
+                await msg.in_progress()
+            except Exception as exc:  # a reconnecting client: the beats below try again
+                log.debug("claim renewal for %s failed: %r", msg.subject, exc)
+        beat = asyncio.create_task(_heartbeat(held, every)) if config.retry_delay_s > every else None
         try:
             await asyncio.wait_for(stop.wait(), config.retry_delay_s)
             return False

@@ -38,10 +38,20 @@ DB_RETRY_MAX_S = 30.0  # the longest wait between tries while the database is un
 
 
 def database_unavailable(exc: BaseException) -> bool:
-    """An error of the connection or the server (not of the event or the handler)."""
+    """An error of the connection or the server (not of the event or the handler).
+
+    Where the driver gives a SQLSTATE (PostgreSQL), only connection exceptions (class 08),
+    an operator or crash shutdown (57P01-57P03) and insufficient resources (class 53)
+    count: psycopg also files errors one event's statement causes (a cancelled or too
+    large query) as operational, and those must not stall the projection for good."""
     if isinstance(exc, DBAPIError) and exc.connection_invalidated:
         return True
-    return isinstance(exc, (OperationalError, InterfaceError))
+    if not isinstance(exc, (OperationalError, InterfaceError)):
+        return False
+    state = getattr(getattr(exc, "orig", None), "sqlstate", None)
+    if isinstance(state, str) and state:
+        return state.startswith(("08", "53")) or state in ("57P01", "57P02", "57P03")
+    return True  # no SQLSTATE (SQLite: a locked or unreadable file; a lost connection)
 
 
 @dataclass
