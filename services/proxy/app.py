@@ -12,8 +12,10 @@ import logging
 import re
 import time
 
+import anyio
 import orjson
 from collections.abc import AsyncIterator, Callable
+from types import ModuleType
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -22,7 +24,7 @@ from starlette.background import BackgroundTask
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from .api import anthropic, openai_chat, openai_responses
-from .api.common import ApiError, ChatRequest, Finished, GenEvent
+from .api.common import Accepted, ApiError, ChatRequest, Finished, GenEvent
 from .core.routing import NoCellAvailable
 from .service import CallHints, ProxyService
 
@@ -30,14 +32,15 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
-API = {
-    "openai_chat": (openai_chat.parse, openai_chat.response, openai_chat.stream, openai_chat.error_body,
-                    openai_chat.stream_error),
-    "openai_responses": (openai_responses.parse, openai_responses.response, openai_responses.stream,
-                         openai_responses.error_body, openai_responses.stream_error),
-    "anthropic_messages": (anthropic.parse, anthropic.response, anthropic.stream, anthropic.error_body,
-                           anthropic.stream_error),
-}
+# each API's module: parse, response, stream, error_body, stream_error, KEEPALIVE, REQUEST_ID_HEADER
+API: dict[str, ModuleType] = {"openai_chat": openai_chat, "openai_responses": openai_responses,
+                              "anthropic_messages": anthropic}
+DISCONNECT_POLL_S = 0.5  # how often a call whose caller waits in silence checks that it is still there
+# an accepted stream still waits this long (at most keepalive_s) for its first event before
+# its headers go out: a cell that refuses the call, or fails, answers within it, and that
+# stays an HTTP error (a 400 "prompt is too long" Claude Code compacts on, a 529 the SDKs retry)
+FIRST_EVENT_GRACE_S = 1.0
+_WAITING = object()  # _watched's answer when its timeout passed first
 
 
 class Metrics:
@@ -91,49 +94,61 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
     def err(api: str, e: ApiError) -> JSONResponse:
         metrics.errors.labels(api, e.kind).inc()
         headers = {"x-should-retry": "true"} if e.status >= 500 else None
-        return JSONResponse(API[api][3](e), status_code=e.status, headers=headers)
+        return JSONResponse(API[api].error_body(e), status_code=e.status, headers=headers)
 
     async def handle(api: str, rollout: str, request: Request) -> Response:
-        parse, respond, stream, _, stream_error = API[api]
+        mod = API[api]
+        events: AsyncIterator[GenEvent] | None = None
+        streaming = False  # the response is a stream, which closes ``events`` itself
         try:
             await service.authorize(rollout, _api_key(request))
-            req: ChatRequest = parse(await _json_body(request, max_body_bytes))
+            req: ChatRequest = mod.parse(await _json_body(request, max_body_bytes))
             service.resolve_model(req.model)
             hints = CallHints(request.headers.get("x-claude-code-agent-id"),
                               request.headers.get("x-claude-code-parent-agent-id"), request.headers.get("x-gyre-role"))
             events = service.serve(rollout, req, hints)
-            first = await events.__anext__()  # errors before the first token become HTTP errors
+            started = time.monotonic()
+            if not req.stream:
+                # the whole call, watched from the start: a caller gone before the first token
+                # is noticed too (the call is aborted and recorded undelivered)
+                fin = await _collect(events, request)
+                if fin is None:
+                    return Response(status_code=499)
+                _count(metrics, api, fin, started)
+                return JSONResponse(mod.response(req, fin), headers={mod.REQUEST_ID_HEADER: fin.call_id})
+            # errors until the call is accepted are HTTP errors (Claude Code compacts on a 400
+            # "prompt is too long"); from then on the stream is open and they go in it
+            accepted = await _watched(events.__anext__(), request)
+            if accepted is None:
+                return Response(status_code=499)
+            if not isinstance(accepted, Accepted):
+                raise RuntimeError(f"the call began with {type(accepted).__name__}, not Accepted")
+            nxt = asyncio.ensure_future(events.__anext__())
+            first = await _watched(nxt, request, min(FIRST_EVENT_GRACE_S, service.config.keepalive_s))
+            if first is None:
+                return Response(status_code=499)
+            streaming = True
         except ApiError as e:
             return err(api, e)
         except NoCellAvailable as e:
             return err(api, ApiError(529, "overloaded", str(e)))
         except Exception as e:  # a bug or an outage: still an answer the caller's SDK understands
             return err(api, internal_error(e))
-        started = time.monotonic()
-        if req.stream:
-            # background: a caller gone before the first bytes went out leaves the body
-            # generator unstarted, so its own finally never runs; closing ``events`` here
-            # aborts the call on its cell and records it undelivered without waiting for
-            # the garbage collector to finalise the generator (a no-op when it is closed)
-            return StreamingResponse(_sse(req, first, events, stream, stream_error, api, metrics, started),
-                                     media_type="text/event-stream",
-                                     headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-                                     background=BackgroundTask(events.aclose))
-        try:
-            fin = await _collect(first, events, request)
-        except ApiError as e:
-            return err(api, e)
-        except Exception as e:
-            return err(api, internal_error(e))
         finally:
-            # the call ends now (not when the collector finalises it); a handler cancelled at
-            # shutdown may find the generator still running: its own cancellation ends it
-            with contextlib.suppress(RuntimeError):
-                await events.aclose()
-        if fin is None:
-            return Response(status_code=499)
-        _count(metrics, api, fin, started)
-        return JSONResponse(respond(req, fin))
+            # a non-streaming call (or a stream that never started) ends now, not when the
+            # collector finalises it; a handler cancelled at shutdown may find the generator
+            # still running: its own cancellation ends it
+            if events is not None and not streaming:
+                with contextlib.suppress(RuntimeError):
+                    await events.aclose()
+        body = _sse(req, accepted.call_id, nxt, events, mod, service.config.keepalive_s, api, metrics, started)
+        # background: a caller gone before the first bytes went out leaves the body generator
+        # unstarted (its own finally never runs); closing it and ``events`` here aborts the
+        # call on its cell and records it undelivered (a no-op when they are closed)
+        return StreamingResponse(body, media_type="text/event-stream",
+                                 headers={"cache-control": "no-cache", "x-accel-buffering": "no",
+                                          mod.REQUEST_ID_HEADER: accepted.call_id},
+                                 background=BackgroundTask(_close, nxt, body, events))
 
     for api, path in (("openai_chat", "/v1/chat/completions"), ("openai_responses", "/v1/responses"),
                       ("anthropic_messages", "/v1/messages")):
@@ -197,55 +212,131 @@ def _no_rollout(api: str, err: Callable) -> Callable:
     return route
 
 
-async def _collect(first: GenEvent, events: AsyncIterator[GenEvent], request: Request) -> Finished | None:
-    async def run() -> Finished | None:
-        ev: GenEvent | None = first
-        while ev is not None and not isinstance(ev, Finished):
-            ev = await events.__anext__()
-        return ev
-
-    task = asyncio.create_task(run())
+async def _watched(aw: Any, request: Request, timeout: float | None = None) -> Any:
+    """Await ``aw`` (a generator's ``__anext__``, or a task of it) while watching the caller:
+    None if it left first (``aw`` is cancelled: the generator ends, which aborts its call
+    and records it undelivered); ``_WAITING`` if ``timeout`` passed first (``aw`` goes on)."""
+    task = asyncio.ensure_future(aw)
+    loop = asyncio.get_running_loop()
+    deadline = None if timeout is None else loop.time() + timeout
+    keep = False
     try:
         while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await request.is_disconnected():
+            wait = DISCONNECT_POLL_S if deadline is None else min(DISCONNECT_POLL_S, deadline - loop.time())
+            done, _ = await asyncio.wait({task}, timeout=max(0.0, wait))
+            if done:
+                break
+            if await request.is_disconnected():
                 task.cancel()  # the generator must be at rest before it can be closed
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
-                await events.aclose()
                 return None
+            if deadline is not None and loop.time() >= deadline:
+                keep = True
+                return _WAITING
         return task.result()
     finally:
-        if not task.done():
+        if not task.done() and not keep:
             task.cancel()
 
 
-async def _sse(req: ChatRequest, first: GenEvent, events: AsyncIterator[GenEvent], stream: Callable,
-               stream_error: Callable, api: str, metrics: Metrics, started: float) -> AsyncIterator[str]:
-    fin: list[Finished] = []
-
-    async def chained() -> AsyncIterator[GenEvent]:
-        yield first
-        if isinstance(first, Finished):
-            fin.append(first)
-            return
+async def _collect(events: AsyncIterator[GenEvent], request: Request) -> Finished | None:
+    """Run a call to its end (None: the caller left before it, checked from the start)."""
+    async def run() -> Finished | None:
         async for ev in events:
             if isinstance(ev, Finished):
-                fin.append(ev)
+                return ev
+        return None
+
+    fin = await _watched(run(), request)
+    if fin is None:
+        with contextlib.suppress(RuntimeError):
+            await events.aclose()
+    return fin
+
+
+async def _close(nxt: asyncio.Future, body: AsyncIterator[str], events: AsyncIterator[GenEvent]) -> None:
+    if not nxt.done():  # the stream never started: the call still waits for its first event
+        nxt.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await nxt
+    for gen in (body, events):
+        with contextlib.suppress(RuntimeError):
+            await gen.aclose()  # type: ignore[attr-defined]
+
+
+async def _sse(req: ChatRequest, call_id: str, nxt: asyncio.Future, events: AsyncIterator[GenEvent],
+               mod: ModuleType, keepalive_s: float, api: str, metrics: Metrics,
+               started: float) -> AsyncIterator[str]:
+    """The API's stream of the call, with a keepalive whenever nothing went out for
+    ``keepalive_s`` (a tool call is streamed only once complete; a long prefill or a queue
+    is silent too). An error in the call reaches the API's formatter as an ApiError, which
+    it ends its stream with in its own format. ``nxt``: the call's next event after
+    ``Accepted``, maybe still to come."""
+    fin: list[Finished] = []
+
+    async def rest() -> AsyncIterator[GenEvent]:
+        try:
+            ev = await nxt
+        except StopAsyncIteration:
+            return
+        yield ev
+        async for ev in events:
             yield ev
 
+    inner = rest()
+
+    async def tracked() -> AsyncIterator[GenEvent]:
+        try:
+            async for ev in inner:
+                if isinstance(ev, Finished):
+                    fin.append(ev)
+                yield ev
+        except ApiError as e:
+            metrics.errors.labels(api, e.kind).inc()
+            raise
+        except Exception as exc:  # the headers are out: the error goes in the stream, not silence
+            e = internal_error(exc)
+            metrics.errors.labels(api, e.kind).inc()
+            raise e from exc
+
+    source = tracked()
+    out = mod.stream(req, call_id, source)
+    pending: asyncio.Future | None = None
     try:
-        async for chunk in stream(req, chained()):
+        while True:
+            pending = asyncio.ensure_future(out.__anext__())
+            while not (await asyncio.wait({pending}, timeout=keepalive_s))[0]:
+                yield mod.KEEPALIVE
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                break
+            finally:
+                pending = None
             yield chunk
-    except ApiError as e:
-        metrics.errors.labels(api, e.kind).inc()
-        yield stream_error(e)
-    except Exception as exc:  # the headers are out: the error goes in the stream, not silence
+    except ApiError as e:  # a formatter that let one through
+        yield mod.stream_error(e, call_id)
+    except Exception as exc:  # a bug in a formatter: still an error the caller's SDK reads
         e = internal_error(exc)
         metrics.errors.labels(api, e.kind).inc()
-        yield stream_error(e)
+        yield mod.stream_error(e, call_id)
     finally:
-        await events.aclose()
+        # the caller left (or the stream ended): the call's generator is cancelled where it
+        # waits, which aborts it on its cell and records it undelivered; shielded, as the
+        # server's cancellation would otherwise interrupt this clean-up too
+        with anyio.CancelScope(shield=True):
+            if pending is not None and not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
+            if not nxt.done():
+                nxt.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await nxt
+            for gen in (out, source, inner, events):
+                with contextlib.suppress(RuntimeError):
+                    await gen.aclose()  # type: ignore[attr-defined]
     if fin:
         _count(metrics, api, fin[0], started)
 

@@ -16,6 +16,9 @@ Configuration (environment):
   until one answers (with no cap set) uses the tokenizer's ``model_max_length``;
 - ``GYRE_PROXY_RENDER_THREADS``: threads that render chat templates and tokenise off the
   event loop (default 2; an integer >= 1);
+- ``GYRE_PROXY_KEEPALIVE_S``: a streamed answer that sent nothing for this many seconds
+  gets a keepalive (Anthropic's ``ping`` event, an SSE comment for OpenAI's APIs; default
+  15; a positive number);
 - ``GYRE_ADMIN_TOKEN``: token for ``/admin/*``;
 - ``GYRE_PROXY_KV_MOVER=port`` (exactly ``port``; anything else: HTTP only): when
   evacuating a cell, move each session's KV blocks through the transfer port
@@ -38,7 +41,7 @@ from libs.common.service import ServiceContext
 from .app import create_app
 from .core.routing import Router
 from .queue_metrics import RouterCollector
-from .service import RENDER_THREADS, ProxyConfig, ProxyService
+from .service import KEEPALIVE_S, RENDER_THREADS, ProxyConfig, ProxyService
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +72,20 @@ def positive_int_env(name: str) -> int | None:
     return value
 
 
+def positive_number_env(name: str) -> float | None:
+    """A positive (finite) number setting, or None when unset or empty."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}: expected a positive number, got {raw!r}")
+    return value
+
+
 def proxy_config(run_id: str) -> ProxyConfig:
     """The proxy's settings from the environment (see the module's docstring); a malformed
     number is a ValueError that names its variable."""
@@ -76,7 +93,8 @@ def proxy_config(run_id: str) -> ProxyConfig:
                        strict_models=os.environ.get("GYRE_PROXY_STRICT_MODELS") == "1",
                        default_max_tokens=positive_int_env("GYRE_PROXY_DEFAULT_MAX_TOKENS"),
                        max_context=positive_int_env("GYRE_PROXY_MAX_CONTEXT"),
-                       render_threads=positive_int_env("GYRE_PROXY_RENDER_THREADS") or RENDER_THREADS)
+                       render_threads=positive_int_env("GYRE_PROXY_RENDER_THREADS") or RENDER_THREADS,
+                       keepalive_s=positive_number_env("GYRE_PROXY_KEEPALIVE_S") or KEEPALIVE_S)
 
 
 def model_folder(model: str) -> str:

@@ -27,11 +27,13 @@ from libs.common.events import CallRecorded, SessionOpened
 from libs.common.events.calls import CallTimings, SessionHints, WeightSpan
 from services.engine.params import logprob_temperature
 
-from .api.common import ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone
+from .api.common import (
+    Accepted, ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, TokenLogprobs, ToolCallDone,
+)
 from .core.decode import IncrementalDecoder
 from .core.hints import continuation_index, request_kind
 from .core.messages import text_digest, tools_key
-from .core.routing import CellState, Router
+from .core.routing import CellState, NoCellAvailable, Router
 from .core.tito import Plan, Renderer, TemplateError
 from .core.toolparse import Parsed, StreamParser, parse_output, partial_tail
 from .generation import CellClient, CellFailure, CellRejected, Outcome, generate
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 CONTEXT_ASK_TIMEOUT_S = 5.0  # a call waits at most this for a new cell to tell its context length
 CONTEXT_RETRY_S = 30.0  # a cell that did not tell is asked again after this
 RENDER_THREADS = 2  # threads that render and tokenise off the event loop (see ProxyService.off_loop)
+KEEPALIVE_S = 15.0  # a stream that sent nothing for this long gets a keepalive (see app._sse)
 
 T = TypeVar("T")
 
@@ -60,6 +63,10 @@ class ProxyConfig:
     # threads for chat-template rendering and tokenisation (the CPU work that grows with a
     # history), so that the event loop keeps streaming every other session meanwhile
     render_threads: int = RENDER_THREADS
+    # a streamed answer sends a keepalive (Anthropic's ping, an SSE comment for OpenAI's APIs)
+    # whenever nothing went out for this long: Claude Code and Codex give up on a stream
+    # silent for about 5 minutes, and a tool call is only streamed once it is complete
+    keepalive_s: float = KEEPALIVE_S
 
 
 @dataclass
@@ -90,6 +97,8 @@ class ProxyService:
         stop_texts = tuple(getattr(renderer, "stop_texts", ("<|im_end|>",)))
         self.stop_texts = stop_texts
         self.stop_token_ids = list(getattr(renderer, "stop_token_ids", []))
+        self._stop_ids = frozenset(self.stop_token_ids)
+        self._token_bytes: dict[int, bytes] = {}  # token id -> its bytes, for OpenAI's logprobs
         self.tokenizer_context = int(getattr(renderer, "max_context", 32768) or 32768)
         self.cell_context: dict[str, int | None] = {}  # cell -> its context length (None: it does not say)
         self._context_asks: dict[str, asyncio.Task] = {}  # cell -> its /server_info question in flight
@@ -336,6 +345,10 @@ class ProxyService:
         max_new = self._budget(len(input_ids), req.max_tokens)
         call_id = uuid.uuid4().hex
         session = st.call_session.get(plan.parent_call_id or "", "") or f"{rollout_id}/{call_id}"
+        try:
+            self.router.pick(session)  # the cell generate() starts on (the session is pinned to it)
+        except NoCellAvailable as exc:
+            raise ApiError(529, "overloaded", f"no inference cell could serve the call: {exc}") from exc
         session_hints = self._hints(req, hints, self._reused(st, plan, req))
         if plan.parent_call_id is None:
             await self.bus.publish(SessionOpened(run_id=self.config.run_id, session_id=session, rollout_id=rollout_id,
@@ -345,6 +358,8 @@ class ProxyService:
         call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic(), session_hints,
                      logprob_temperature=logprob_temperature(sampling.get("temperature")))
         try:
+            # accepted: from here on a stream is under way, and errors go in it (app._sse)
+            yield Accepted(call_id)
             async for ev in self._run(call, req, sampling):
                 if isinstance(ev, Finished):
                     # shielded: a caller leaving now must not cut the append in half (the
@@ -359,12 +374,36 @@ class ProxyService:
             if not call.committed:  # the caller went away (or we failed): stop the cell, keep the record honest
                 self._spawn(self._abandon(st, call, req, hints))
 
+    def _visible(self, ids: list[int]) -> list[int]:
+        """The ids whose text the caller sees: all but the end-of-turn (stop) tokens, so that
+        stop sequences are matched, and tags parsed, only in the reply's own text."""
+        stops = self._stop_ids
+        return [i for i in ids if i not in stops] if stops else list(ids)
+
+    def _logprob_entries(self, ids: list[int], logprobs: list[float]) -> tuple[dict[str, Any], ...]:
+        """OpenAI's logprobs entries for generated tokens (the stop tokens left out)."""
+        new = [i for i in dict.fromkeys(ids) if i not in self._token_bytes]
+        if new:
+            many = getattr(self.renderer, "token_bytes", None)
+            got = many(new) if many is not None else [self.renderer.decode([i]).encode("utf-8") for i in new]
+            self._token_bytes.update(zip(new, got))
+        out = []
+        for i, lp in zip(ids, logprobs):
+            if i in self._stop_ids:
+                continue
+            raw = self._token_bytes[i]
+            out.append({"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw),
+                        "top_logprobs": []})
+        return tuple(out)
+
     async def _run(self, call: "_Call", req: ChatRequest, sampling: dict) -> AsyncIterator[GenEvent]:
         decoder = IncrementalDecoder(self.renderer.decode)
         cutter = StopCutter(req.stop)
-        parser = StreamParser(self.stop_texts)  # its shown text adds up to exactly parser.content
+        # its shown text adds up to exactly parser.content
+        parser = StreamParser(self.stop_texts, parse_calls=req.tool_choice != "none")
         sent_calls = [0]
         streamed = [""]  # what the decoder let through, before stop sequences and parsing
+        entries: list[dict[str, Any]] = []  # logprobs, when asked for
 
         def deltas(text: str, think: str) -> list[GenEvent]:
             out: list[GenEvent] = [ThinkingDelta(think)] if think else []
@@ -379,12 +418,17 @@ class ProxyService:
             if call.first_token is None:
                 call.first_token = time.monotonic()
             call.add(piece.ids, piece.logprobs, piece.weight_version)
-            text = decoder.push(piece.ids)
+            if req.logprobs:
+                new = self._logprob_entries(piece.ids, piece.logprobs)
+                if new:
+                    entries.extend(new)
+                    yield TokenLogprobs(new)
+            text = decoder.push(self._visible(piece.ids))
             streamed[0] += text
             for ev in deltas(*parser.feed(cutter.feed(text))):
                 yield ev
         # the decoder holds back an unfinished character; the whole decode has the rest
-        whole = await self.off_loop(self.renderer.decode, call.output_ids)
+        whole = await self.off_loop(self.renderer.decode, self._visible(call.output_ids))
         if whole.startswith(streamed[0]):
             for ev in deltas(*parser.feed(cutter.feed(whole[len(streamed[0]):]))):
                 yield ev
@@ -401,7 +445,7 @@ class ProxyService:
         stop_seq = out.matched_stop if isinstance(out.matched_stop, str) else cutter.matched
         yield Finished(reason if not stop_seq else "stop_sequence", len(call.input_ids), len(call.output_ids),
                        out.cached_tokens, call.parsed.content, tuple(call.parsed.tool_calls), call.parsed.reasoning,
-                       call.call_id, stop_seq, call.plan.drift.value)
+                       call.call_id, stop_seq, call.plan.drift.value, tuple(entries) if req.logprobs else None)
 
     def _budget(self, n_input: int, asked: int | None, limit: int | None = None) -> int:
         """max_new_tokens for a prompt of ``n_input`` tokens: what the caller asked for (else
@@ -436,7 +480,8 @@ class ProxyService:
     def _parse(self, call: "_Call", req: ChatRequest):
         """The reply as the caller sees it: cut before a matched stop sequence (the
         recorded ids keep it: the model did generate it)."""
-        return parse_output(cut_at_stop(self.renderer.decode(call.output_ids), req.stop), self.stop_texts)
+        return parse_output(cut_at_stop(self.renderer.decode(self._visible(call.output_ids)), req.stop),
+                            self.stop_texts, parse_calls=req.tool_choice != "none")
 
     # -- recording ---------------------------------------------------------------------
 

@@ -203,7 +203,8 @@ async def test_an_internal_failure_is_an_error_in_the_callers_shape_streamed_or_
         assert r.status_code == 200  # the headers were out before the failure
         assert "event: error" in r.text and '"api_error"' in r.text and "message_stop" not in r.text
         r = await c.post(base + RS, headers=KEY, json={"model": "m", "input": "hi", "stream": True})
-        assert "event: error" in r.text and "response.completed" not in r.text
+        # OpenAI's shape: the response, failed (the SDK and Codex read its error)
+        assert "event: response.failed" in r.text and '"server_error"' in r.text and "response.completed" not in r.text
 
 
 async def test_a_template_refusing_the_conversation_is_a_400_on_every_path(proxy, renderer) -> None:

@@ -48,6 +48,9 @@ class HFRenderer:
         self.stop_token_ids: list[int] = sorted({self.tokenizer.convert_tokens_to_ids(t) for t in self.stop_texts
                                                  if t in self.tokenizer.get_vocab()})
         self.max_context = int(getattr(self.tokenizer, "model_max_length", 32768) or 32768)
+        # byte-level BPE (GPT-2, Qwen, Llama 3): a token's string spells its bytes one character each
+        self._byte_level = type(getattr(backend, "decoder", None)).__name__ == "ByteLevel"
+        self._added = set(getattr(self.tokenizer, "added_tokens_decoder", {}) or {})
 
     def render(self, msgs: list[Msg], tools: list[ToolSpec], *, add_generation_prompt: bool) -> str:
         """The chat template's text; a template that rejects the conversation (jinja's
@@ -70,3 +73,32 @@ class HFRenderer:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def token_bytes(self, ids: list[int]) -> list[bytes]:
+        """Each token's own bytes (a token may hold part of a UTF-8 character, which decoding
+        it alone would turn into U+FFFD): OpenAI's logprobs ``bytes``."""
+        tokens = self.tokenizer.convert_ids_to_tokens(list(ids))
+        out = []
+        for i, tok in zip(ids, tokens):
+            if self._byte_level and i not in self._added and isinstance(tok, str) and all(c in _BYTE_OF for c in tok):
+                out.append(bytes(_BYTE_OF[c] for c in tok))
+            else:
+                out.append(self.decode([i]).encode("utf-8"))
+        return out
+
+
+def _byte_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, inverted: the character that stands for each byte."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1)) + \
+        list(range(ord("\xae"), ord("\xff") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_OF = _byte_table()

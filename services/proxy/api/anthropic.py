@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ..core.messages import Msg, ToolCall
 from .common import (
     ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect,
-    opt_int, opt_number, stop_list, tool_spec,
+    opt_bool, opt_int, opt_number, stop_list, tool_choice_mode, tool_spec,
 )
+
+REQUEST_ID_HEADER = "request-id"  # Anthropic's; the SDKs expose it as the response's request id
+KEEPALIVE = 'event: ping\ndata: {"type": "ping"}\n\n'  # what Anthropic sends while a reply is slow
 
 STOP_REASON = {"stop": "end_turn", "stop_sequence": "stop_sequence", "length": "max_tokens",
                "tool_calls": "tool_use", "abort": "end_turn"}
@@ -51,10 +53,11 @@ def parse(body: Any, *, count_only: bool = False) -> ChatRequest:
     if max_tokens is None and not count_only:
         raise bad_request("max_tokens: Field required", "max_tokens")
     return ChatRequest(
-        api="anthropic_messages", model=model, messages=msgs, tools=tools, tool_choice=body.get("tool_choice"),
+        api="anthropic_messages", model=model, messages=msgs, tools=tools,
+        tool_choice=tool_choice_mode(body.get("tool_choice")),
         max_tokens=max_tokens, temperature=opt_number(body, "temperature", 0, 1),
         top_p=opt_number(body, "top_p", 0, 1), top_k=opt_int(body, "top_k", 0, 10**6),
-        stop=stop_list(body.get("stop_sequences"), "stop_sequences"), stream=bool(body.get("stream")),
+        stop=stop_list(body.get("stop_sequences"), "stop_sequences"), stream=opt_bool(body, "stream"),
         extra={k: body[k] for k in ("thinking", "metadata", "context_management", "output_config") if k in body},
     )
 
@@ -153,10 +156,11 @@ def sse(event: str, data: dict[str, Any]) -> str:
     return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
-async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
-    mid = f"msg_{uuid.uuid4().hex[:24]}"
+async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
+    """The message's events; ``message_start`` goes out at once (the call is accepted), and
+    an error after it ends the stream with an ``error`` event."""
     yield sse("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": req.model, "content": [],
+        "id": f"msg_{call_id}", "type": "message", "role": "assistant", "model": req.model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
     index, open_kind = -1, None
 
@@ -170,37 +174,41 @@ async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIter
         out.append(sse("content_block_start", {"type": "content_block_start", "index": index, "content_block": block}))
         return out
 
-    async for ev in events:
-        if isinstance(ev, ThinkingDelta) and ev.text:
-            if open_kind != "thinking":
-                for s in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+    try:
+        async for ev in events:
+            if isinstance(ev, ThinkingDelta) and ev.text:
+                if open_kind != "thinking":
+                    for s in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
+                        yield s
+                yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                  "delta": {"type": "thinking_delta", "thinking": ev.text}})
+            elif isinstance(ev, TextDelta) and ev.text:
+                if open_kind != "text":
+                    for s in open_block("text", {"type": "text", "text": ""}):
+                        yield s
+                yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                  "delta": {"type": "text_delta", "text": ev.text}})
+            elif isinstance(ev, ToolCallDone):
+                c = ev.call
+                for s in open_block("tool_use", {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}):
                     yield s
-            yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                              "delta": {"type": "thinking_delta", "thinking": ev.text}})
-        elif isinstance(ev, TextDelta) and ev.text:
-            if open_kind != "text":
-                for s in open_block("text", {"type": "text", "text": ""}):
-                    yield s
-            yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                              "delta": {"type": "text_delta", "text": ev.text}})
-        elif isinstance(ev, ToolCallDone):
-            c = ev.call
-            for s in open_block("tool_use", {"type": "tool_use", "id": c.id, "name": c.name, "input": {}}):
-                yield s
-            args = c.arguments if isinstance(c.arguments, dict) else {"raw": c.arguments}
-            yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
-                                              "delta": {"type": "input_json_delta", "partial_json": json.dumps(args)}})
-        elif isinstance(ev, Finished):
-            if open_kind is None:
-                for s in open_block("text", {"type": "text", "text": ""}):
-                    yield s
-            yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
-            yield sse("message_delta", {"type": "message_delta",
-                                        "delta": {"stop_reason": STOP_REASON.get(ev.reason, "end_turn"),
-                                                  "stop_sequence": ev.stop_sequence},
-                                        "usage": _usage(ev)})
-            yield sse("message_stop", {"type": "message_stop"})
+                args = c.arguments if isinstance(c.arguments, dict) else {"raw": c.arguments}
+                yield sse("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                  "delta": {"type": "input_json_delta",
+                                                            "partial_json": json.dumps(args)}})
+            elif isinstance(ev, Finished):
+                if open_kind is None:
+                    for s in open_block("text", {"type": "text", "text": ""}):
+                        yield s
+                yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
+                yield sse("message_delta", {"type": "message_delta",
+                                            "delta": {"stop_reason": STOP_REASON.get(ev.reason, "end_turn"),
+                                                      "stop_sequence": ev.stop_sequence},
+                                            "usage": _usage(ev)})
+                yield sse("message_stop", {"type": "message_stop"})
+    except ApiError as e:
+        yield stream_error(e)
 
 
-def stream_error(err: ApiError) -> str:
+def stream_error(err: ApiError, call_id: str | None = None) -> str:
     return sse("error", error_body(err))

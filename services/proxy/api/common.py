@@ -36,7 +36,7 @@ class ChatRequest:
     model: str
     messages: list[Msg]
     tools: list[ToolSpec] = field(default_factory=list)
-    tool_choice: Any = None
+    tool_choice: str = "auto"  # auto | none (see ``tool_choice_mode``)
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -45,6 +45,7 @@ class ChatRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    logprobs: bool = False  # OpenAI chat: return each output token's logprob
     extra: dict[str, Any] = field(default_factory=dict)
 
     def sampling_params(self, default_max_tokens: int, stop_token_ids: list[int]) -> dict[str, Any]:
@@ -68,6 +69,22 @@ class ChatRequest:
 
 
 # -- generation events, API-neutral -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The call passed every check that answers with an HTTP error (validated, rendered,
+    tokenised, within the context, a cell chosen): a stream may start now. Always the
+    first event of ``ProxyService.serve``."""
+
+    call_id: str
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """Output tokens' logprobs in OpenAI's shape (only when the caller asked for them)."""
+
+    entries: tuple[dict[str, Any], ...]
 
 
 @dataclass(frozen=True)
@@ -98,9 +115,10 @@ class Finished:
     call_id: str
     stop_sequence: str | None = None
     drift: str = ""  # the call's TITO drift class
+    logprobs: tuple[dict[str, Any], ...] | None = None  # every output token's, when asked for
 
 
-GenEvent = TextDelta | ThinkingDelta | ToolCallDone | Finished
+GenEvent = Accepted | TextDelta | ThinkingDelta | ToolCallDone | TokenLogprobs | Finished
 
 
 # -- validation helpers -----------------------------------------------------------------
@@ -139,6 +157,33 @@ def opt_int(body: dict[str, Any], key: str, lo: int, hi: int) -> int | None:
     if not lo <= v <= hi:
         raise bad_request(f"'{key}' must be between {lo} and {hi}, got {v}", key)
     return v
+
+
+def opt_bool(body: dict[str, Any], key: str) -> bool:
+    """A boolean field (absent or null: false); any other JSON type is a 400."""
+    v = body.get(key)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise bad_request(f"'{key}' must be a boolean, got {type(v).__name__}", key)
+    return v
+
+
+def tool_choice_mode(v: Any, param: str = "tool_choice") -> str:
+    """``auto`` or ``none`` from a request's ``tool_choice`` (absent: auto). ``none``: the
+    reply's tool-call markup stays text (the prompt, and so prefix reuse, is unchanged).
+    Forcing a tool (``required``, Anthropic's ``any``, a named tool, OpenAI's
+    ``allowed_tools``) would need constrained decoding, which the cells do not do for the
+    proxy: a 400 rather than an answer that ignores it."""
+    kind = v.get("type") if isinstance(v, dict) else v
+    if v is None or kind == "auto":
+        return "auto"
+    if kind == "none":
+        return "none"
+    if not isinstance(kind, str):
+        raise bad_request(f"'{param}' must be a string or an object with a 'type'", param)
+    raise bad_request(f"'{param}' {kind!r} is not supported by this proxy: only 'auto' and 'none' "
+                      "(the policy cannot be forced to call a tool)", param)
 
 
 def stop_list(v: Any, param: str) -> list[str]:

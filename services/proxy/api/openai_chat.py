@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ..core.messages import Msg, ToolCall
 from .common import (
-    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect,
-    opt_int, opt_number, parse_arguments, stop_list, text_of, tool_spec,
+    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, TokenLogprobs, ToolCallDone, bad_request,
+    expect, opt_bool, opt_int, opt_number, parse_arguments, stop_list, text_of, tool_choice_mode, tool_spec,
 )
+
+REQUEST_ID_HEADER = "x-request-id"  # OpenAI's; the SDK exposes it as ``_request_id``
+KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it, and the connection is not idle
 
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
 ERROR_TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",
@@ -44,13 +46,18 @@ def parse(body: Any) -> ChatRequest:
     if n not in (None, 1):
         raise bad_request("only n=1 is supported", "n")
     stream_opts = body.get("stream_options") or {}
+    logprobs = opt_bool(body, "logprobs")
+    top = opt_int(body, "top_logprobs", 0, 20)
+    if top and not logprobs:
+        raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
     max_tokens = opt_int(body, "max_completion_tokens", 1, 10**7) or opt_int(body, "max_tokens", 1, 10**7)
     return ChatRequest(
-        api="openai_chat", model=model, messages=msgs, tools=tools, tool_choice=body.get("tool_choice"),
+        api="openai_chat", model=model, messages=msgs, tools=tools,
+        tool_choice=tool_choice_mode(body.get("tool_choice")),
         max_tokens=max_tokens, temperature=opt_number(body, "temperature", 0, 2),
         top_p=opt_number(body, "top_p", 0, 1), stop=stop_list(body.get("stop"), "stop"),
-        seed=opt_int(body, "seed", -(2**63), 2**63 - 1), stream=bool(body.get("stream")),
-        include_usage=bool(isinstance(stream_opts, dict) and stream_opts.get("include_usage")),
+        seed=opt_int(body, "seed", -(2**63), 2**63 - 1), stream=opt_bool(body, "stream"),
+        include_usage=bool(isinstance(stream_opts, dict) and stream_opts.get("include_usage")), logprobs=logprobs,
     )
 
 
@@ -96,7 +103,8 @@ def response(req: ChatRequest, fin: Finished) -> dict[str, Any]:
         message["reasoning_content"] = fin.reasoning
     return {
         "id": f"chatcmpl-{fin.call_id}", "object": "chat.completion", "created": int(time.time()), "model": req.model,
-        "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(fin.reason, "stop"), "logprobs": None}],
+        "choices": [{"index": 0, "message": message, "finish_reason": FINISH.get(fin.reason, "stop"),
+                     "logprobs": _logprobs(req, fin.logprobs or ())}],
         "usage": _usage(fin),
     }
 
@@ -107,30 +115,48 @@ def _usage(fin: Finished) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": fin.cached_tokens}}
 
 
-async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
-    cid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+def _logprobs(req: ChatRequest, entries: Any) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` for the tokens: one entry per generated token (tool-call markup
+    and thinking included, the end-of-turn token not), ``top_logprobs`` empty (the cells
+    are asked for the sampled token's logprob only)."""
+    return {"content": list(entries), "refusal": None} if req.logprobs else None
+
+
+async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
+    """Chunks; the role chunk goes out at once (the call is accepted). With ``logprobs``,
+    the tokens' entries ride on the next chunk that goes out after they were generated."""
+    cid, created = f"chatcmpl-{call_id}", int(time.time())
+    pending: list[dict[str, Any]] = []  # logprob entries not sent yet
 
     def chunk(delta: dict[str, Any], finish: str | None = None) -> str:
+        lp = _logprobs(req, pending)
+        pending.clear()
         body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}]}
+                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}]}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     yield chunk({"role": "assistant", "content": ""})
-    async for ev in events:
-        if isinstance(ev, TextDelta) and ev.text:
-            yield chunk({"content": ev.text})
-        elif isinstance(ev, ThinkingDelta) and ev.text:
-            yield chunk({"reasoning_content": ev.text})
-        elif isinstance(ev, ToolCallDone):
-            yield chunk({"tool_calls": [_tool_call_json(ev.call, ev.index)]})
-        elif isinstance(ev, Finished):
-            yield chunk({}, FINISH.get(ev.reason, "stop"))
-            if req.include_usage:
-                body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
-                        "choices": [], "usage": _usage(ev)}
-                yield f"data: {json.dumps(body)}\n\n"
+    try:
+        async for ev in events:
+            if isinstance(ev, TokenLogprobs):
+                pending.extend(ev.entries)
+            elif isinstance(ev, TextDelta) and ev.text:
+                yield chunk({"content": ev.text})
+            elif isinstance(ev, ThinkingDelta) and ev.text:
+                yield chunk({"reasoning_content": ev.text})
+            elif isinstance(ev, ToolCallDone):
+                yield chunk({"tool_calls": [_tool_call_json(ev.call, ev.index)]})
+            elif isinstance(ev, Finished):
+                yield chunk({}, FINISH.get(ev.reason, "stop"))
+                if req.include_usage:
+                    body = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": req.model,
+                            "choices": [], "usage": _usage(ev)}
+                    yield f"data: {json.dumps(body)}\n\n"
+    except ApiError as e:
+        yield stream_error(e)
+        return
     yield "data: [DONE]\n\n"
 
 
-def stream_error(err: ApiError) -> str:
+def stream_error(err: ApiError, call_id: str | None = None) -> str:
     return f"data: {json.dumps(error_body(err))}\n\n"

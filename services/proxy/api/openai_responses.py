@@ -5,18 +5,19 @@ from __future__ import annotations
 
 import json
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ..core.messages import Msg, ToolCall
 from . import openai_chat
 from .common import (
-    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect, opt_int,
-    opt_number, parse_arguments, text_of, tool_spec,
+    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect, opt_bool,
+    opt_int, opt_number, parse_arguments, text_of, tool_choice_mode, tool_spec,
 )
 
 error_body = openai_chat.error_body
+REQUEST_ID_HEADER = openai_chat.REQUEST_ID_HEADER
+KEEPALIVE = openai_chat.KEEPALIVE
 
 
 def parse(body: Any) -> ChatRequest:
@@ -38,9 +39,10 @@ def parse(body: Any) -> ChatRequest:
         raise bad_request("'input' must not be empty", "input")
     tools = _tools(body.get("tools") or [], "tools")
     return ChatRequest(
-        api="openai_responses", model=model, messages=msgs, tools=tools, tool_choice=body.get("tool_choice"),
+        api="openai_responses", model=model, messages=msgs, tools=tools,
+        tool_choice=tool_choice_mode(body.get("tool_choice")),
         max_tokens=opt_int(body, "max_output_tokens", 1, 10**7), temperature=opt_number(body, "temperature", 0, 2),
-        top_p=opt_number(body, "top_p", 0, 1), stream=bool(body.get("stream")),
+        top_p=opt_number(body, "top_p", 0, 1), stream=opt_bool(body, "stream"),
         extra={k: body[k] for k in ("reasoning", "store", "include", "metadata") if k in body},
     )
 
@@ -125,14 +127,16 @@ def response(req: ChatRequest, fin: Finished, rid: str | None = None) -> dict[st
     }
 
 
-async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
+async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
     """The items of the non-streamed response, in its order: thinking, one message with
     all the text (text the model wrote after a tool call included), then the function
     calls, which are streamed when the text is complete. A client keeps the items it is
     streamed and sends them back as the assistant's turn: a message after a call would come
     back as a second assistant message, not the recorded reply. ``response.completed``
-    lists exactly the items streamed."""
-    rid = f"resp_{uuid.uuid4().hex[:24]}"
+    lists exactly the items streamed. ``response.created`` and ``response.in_progress`` go
+    out at once (the call is accepted); an error after them ends the stream with
+    ``response.failed``, as OpenAI's does (the SDK and Codex read ``response.error``)."""
+    rid = f"resp_{call_id}"
     seq = 0
 
     def ev(kind: str, data: dict[str, Any]) -> str:
@@ -141,7 +145,8 @@ async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIter
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': seq, **data}, ensure_ascii=False)}\n\n"
 
     base = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
-            "model": req.model, "output": []}
+            "model": req.model, "output": [], "error": None, "incomplete_details": None, "store": False,
+            "parallel_tool_calls": True, "tools": [], "text": {"format": {"type": "text"}}}
     yield ev("response.created", {"response": base})
     yield ev("response.in_progress", {"response": base})
     items: list[dict[str, Any]] = []  # finished items, at their output_index
@@ -185,45 +190,61 @@ async def stream(req: ChatRequest, events: AsyncIterator[GenEvent]) -> AsyncIter
                                                "part": {"type": "output_text", "text": "", "annotations": []}}),
         ]
 
-    async for e in events:
-        if isinstance(e, (ThinkingDelta, TextDelta)) and e.text:
-            kind = "reasoning" if isinstance(e, ThinkingDelta) else "text"
-            if open_item is None or open_item["kind"] != kind:
-                for s in open_(kind):
+    try:
+        async for e in events:
+            if isinstance(e, (ThinkingDelta, TextDelta)) and e.text:
+                kind = "reasoning" if isinstance(e, ThinkingDelta) else "text"
+                if open_item is None or open_item["kind"] != kind:
+                    for s in open_(kind):
+                        yield s
+                assert open_item is not None
+                open_item["text"] += e.text
+                delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+                yield ev(delta, {"item_id": open_item["id"], "output_index": open_item["index"], "content_index": 0,
+                                 "delta": e.text})
+            elif isinstance(e, ToolCallDone):
+                calls.append(e.call)  # streamed after the text: see the docstring
+            elif isinstance(e, Finished):
+                if not items and (open_item is None or open_item["kind"] == "reasoning") and not e.tool_calls:
+                    for s in open_("text"):  # an empty answer is still one (empty) message
+                        yield s
+                for s in close():
                     yield s
-            assert open_item is not None
-            open_item["text"] += e.text
-            delta = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-            yield ev(delta, {"item_id": open_item["id"], "output_index": open_item["index"], "content_index": 0,
-                             "delta": e.text})
-        elif isinstance(e, ToolCallDone):
-            calls.append(e.call)  # streamed after the text: see the docstring
-        elif isinstance(e, Finished):
-            if not items and (open_item is None or open_item["kind"] == "reasoning") and not e.tool_calls:
-                for s in open_("text"):  # an empty answer is still one (empty) message
-                    yield s
-            for s in close():
-                yield s
-            for c in calls:
-                idx = len(items)
-                item = _call_item(c)
-                yield ev("response.output_item.added", {"output_index": idx,
-                                                        "item": item | {"arguments": "", "status": "in_progress"}})
-                yield ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx,
-                                                                     "delta": item["arguments"]})
-                yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
-                                                                    "arguments": item["arguments"]})
-                yield ev("response.output_item.done", {"output_index": idx, "item": item})
-                items.append(item)
-            final = response(req, e, rid)
-            final["output"] = items
-            yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed",
-                     {"response": final})
+                for c in calls:
+                    idx = len(items)
+                    item = _call_item(c)
+                    yield ev("response.output_item.added", {"output_index": idx,
+                                                            "item": item | {"arguments": "", "status": "in_progress"}})
+                    yield ev("response.function_call_arguments.delta", {"item_id": item["id"], "output_index": idx,
+                                                                         "delta": item["arguments"]})
+                    yield ev("response.function_call_arguments.done", {"item_id": item["id"], "output_index": idx,
+                                                                        "arguments": item["arguments"]})
+                    yield ev("response.output_item.done", {"output_index": idx, "item": item})
+                    items.append(item)
+                final = response(req, e, rid)
+                final["output"] = items
+                yield ev("response.incomplete" if final["status"] == "incomplete" else "response.completed",
+                         {"response": final})
+    except ApiError as err:
+        failed = base | {"status": "failed", "error": _failure(err), "output": items}
+        yield ev("response.failed", {"response": failed})
 
 
 def _reasoning_item(item_id: str, text: str) -> dict[str, Any]:
     return {"type": "reasoning", "id": item_id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]}
 
 
-def stream_error(err: ApiError) -> str:
-    return f"event: error\ndata: {json.dumps({'type': 'error', 'code': err.kind, 'message': err.message, 'param': err.param})}\n\n"
+def _failure(err: ApiError) -> dict[str, str]:
+    """A response's ``error``: Codex takes ``context_length_exceeded`` as a full context."""
+    if err.message.startswith("prompt is too long"):
+        code = "context_length_exceeded"
+    else:
+        code = {"rate_limit": "rate_limit_exceeded", "invalid_request": "invalid_prompt"}.get(err.kind, "server_error")
+    return {"code": code, "message": err.message}
+
+
+def stream_error(err: ApiError, call_id: str) -> str:
+    """Only for a failure outside ``stream`` (its own errors end in ``response.failed``)."""
+    failed = {"id": f"resp_{call_id}", "object": "response", "created_at": int(time.time()), "status": "failed",
+              "output": [], "error": _failure(err)}
+    return f"event: response.failed\ndata: {json.dumps({'type': 'response.failed', 'response': failed})}\n\n"

@@ -55,8 +55,8 @@ class Parsed:
         return Msg("assistant", self.content, tuple(self.tool_calls), reasoning=self.reasoning)
 
 
-def parse_output(text: str, stop_texts: tuple[str, ...] = ()) -> Parsed:
-    p = StreamParser(stop_texts)
+def parse_output(text: str, stop_texts: tuple[str, ...] = (), parse_calls: bool = True) -> Parsed:
+    p = StreamParser(stop_texts, parse_calls=parse_calls)
     p.feed(text)
     p.finish()
     return Parsed(p.content, p.tool_calls, p.reasoning)
@@ -66,6 +66,7 @@ def parse_output(text: str, stop_texts: tuple[str, ...] = ()) -> Parsed:
 class StreamParser:
     stop_texts: tuple[str, ...] = ()
     content: str = ""
+    parse_calls: bool = True  # False (``tool_choice: none``): tool-call markup stays text
     reasoning: str | None = None
     tool_calls: list[ToolCall] = field(default_factory=list)
     _buf: str = ""
@@ -116,9 +117,10 @@ class StreamParser:
                 self._state = "text"
                 continue
             if self._state == "text":
-                i = self._buf.find(CALL_OPEN)
+                i = self._buf.find(CALL_OPEN) if self.parse_calls else -1
                 if i < 0:
-                    keep = max([partial_tail(self._buf, CALL_OPEN)] + [_held(self._buf, s) for s in self.stop_texts])
+                    tags = [partial_tail(self._buf, CALL_OPEN)] if self.parse_calls else [0]
+                    keep = max(tags + [_held(self._buf, s) for s in self.stop_texts])
                     chunk, self._buf = self._buf[: len(self._buf) - keep], self._buf[len(self._buf) - keep:]
                     return out_text + self._show(chunk), out_think
                 out_text += self._show(self._buf[:i])
