@@ -39,7 +39,7 @@ from .adapters.catalog import TaskCatalog, TaskSpecError
 from .adapters.judge_client import JudgeClient, JudgeFailed, JudgeUnreachable
 from .adapters.plugin_scorers import Scorer
 from .adapters.sandbox import Sandbox
-from .adapters.snapshot import UnpackLimits, UnsafeSnapshot, unpack_snapshot
+from .adapters.snapshot import SnapshotOverLimits, SnapshotRefused, UnpackLimits, UnsafeSnapshot, unpack_snapshot
 from .core.judge import build_messages
 from .core.results import TestReport, parse_junit, parse_outcome_lines
 from .core.scoring import (
@@ -51,6 +51,7 @@ from .core.scoring import (
     score_tests,
     scored_event,
     with_plugin_scores,
+    zero_event,
 )
 from .core.spec import TaskEvaluatorSpec
 from .settings import EvaluatorSettings
@@ -69,6 +70,21 @@ class TransientError(RuntimeError):
 
 class _WorkspaceGone(Exception):
     """The rollout's scratch workspace was deleted or replaced while it was scored."""
+
+
+class _AgentsDoing(Exception):
+    """What the agent did to its own workspace or results: the rollout scores 0 (a score,
+    so its group learns from it; never a failure that would drop it). The message is the
+    reason."""
+
+    def __init__(self, reason: str, isolation: str = "none (no tests run)") -> None:
+        super().__init__(reason)
+        self.isolation = isolation
+
+
+class _RunNotStarted(Exception):
+    """The tests never ran (the sandbox could not be set up, the interpreter or pytest did
+    not start): not the rollout's fault, so retried while a delivery is left."""
 
 
 @dataclass
@@ -191,9 +207,14 @@ class Evaluator:
             workdir = ws.path
             try:
                 unpacked = await asyncio.to_thread(unpack_snapshot, data, workdir, self._unpack_limits())
+            except SnapshotRefused as exc:
+                raise _AgentsDoing(f"score 0.000, the runner did not archive the workspace: {exc}") from exc
+            except SnapshotOverLimits as exc:
+                raise _AgentsDoing(f"score 0.000, the workspace is over the evaluator's limits: {exc}") from exc
             except UnsafeSnapshot as exc:
                 raise _Unscorable(f"unusable snapshot: {exc}") from exc
-            note = _skipped_note(unpacked.skipped_links)
+            note = "; ".join(n for n in (_skipped_note(unpacked.skipped_links),
+                                         _bad_names_note(unpacked.skipped_names)) if n)
             if note:
                 log.info("evaluator: rollout %s: %s", ended.rollout_id, note)
             outcome = await self._score(ended, spec, workdir, may_retry=may_retry, note=note,
@@ -206,6 +227,9 @@ class Evaluator:
         except Exception as exc:
             if ws is not None and not ws.intact:  # whatever failed, the workspace vanishing explains it
                 return self._workspace_gone(ended, ws, may_retry=may_retry)
+            if isinstance(exc, _AgentsDoing):
+                log.info("evaluator: rollout %s scores 0: %s", ended.rollout_id, exc)
+                return zero_event(ended, str(exc), isolation=exc.isolation)
             if isinstance(exc, _Unscorable):
                 log.warning("evaluator: rollout %s not scored: %s", ended.rollout_id, exc)
                 return failed_event(ended, str(exc))
@@ -250,8 +274,9 @@ class Evaluator:
     async def _snapshot(self, ended: RolloutEnded) -> bytes:
         if ended.snapshot_digest is None:
             raise _Unscorable("no workspace snapshot in the ended event: the runner could not take or store it "
-                              "(more files than its snapshot_max_bytes, or the blob store failing); the runner's "
-                              "log and the rollout's log say which")
+                              "(the blob store failing, or an error of its own; a workspace over its "
+                              "snapshot_max_bytes comes as a stand-in snapshot and scores 0); the runner's log and "
+                              "the rollout's log say which")
         try:
             return await self.store.get(ended.snapshot_digest)
         except KeyError as exc:  # BlobNotFound
@@ -273,9 +298,24 @@ class Evaluator:
         verdict: TestsVerdict | None = None
         isolation = "none (no tests run)"
         if spec.hidden_files or spec.command:
-            verdict, isolation = await self._run_tests(spec, workdir)
+            try:
+                verdict, isolation = await self._run_tests(spec, workdir)
+            except _RunNotStarted as exc:
+                if not intact():
+                    raise _WorkspaceGone() from exc
+                log.error("evaluator: rollout %s: the tests never ran: %s; %s", ended.rollout_id, exc,
+                          "it is scored on a later delivery" if may_retry else "last delivery: it fails")
+                if may_retry:
+                    raise TransientError(f"the tests never ran: {exc}") from exc
+                raise _Unscorable(f"the tests never ran: {exc}") from exc
             if not intact():  # deleted under the tests: their verdict is void; no judge asked
                 raise _WorkspaceGone()
+            if verdict.tampered:  # the agent's doing: 0, whatever a judge or plugin would add
+                log.warning("evaluator: rollout %s: %s", ended.rollout_id, verdict.reason)
+                reason = f"{verdict.reason}; {note}" if note else verdict.reason
+                digest = None if fits_inline(verdict.outcomes) else await self._store_tests(
+                    ended, verdict.outcomes, may_retry=may_retry)
+                return zero_event(ended, reason, outcomes=verdict.outcomes, isolation=isolation, tests_digest=digest)
         judge_score, judge_error = None, None
         if policy.uses_judge:
             judge_score, judge_error = await self._ask_judge(spec, view, verdict, may_retry=may_retry)
@@ -310,6 +350,9 @@ class Evaluator:
         return digest
 
     async def _run_tests(self, spec: TaskEvaluatorSpec, workdir: Path) -> tuple[TestsVerdict, str]:
+        """The tests' verdict and the isolation they ran under. Raises _RunNotStarted when
+        they never ran (not the rollout's fault) and _AgentsDoing when the workspace kept
+        them from starting (over the task's disk limit before pytest's session began)."""
         control = await asyncio.to_thread(workspace.prepare, workdir, spec)
         env = workspace.sandbox_env(workdir, control)
         if spec.limits.per_test_s:
@@ -318,17 +361,33 @@ class Evaluator:
             argv = workspace.pytest_argv(self.settings.python, workdir)
         else:
             argv = [self.settings.python if a == "{python}" else a for a in spec.command]
-        run = await self.sandbox.run(argv, workdir=workdir, env=env, limits=spec.limits)
+        try:
+            run = await self.sandbox.run(
+                argv, workdir=workdir, env=env, limits=spec.limits, readonly=workspace.READONLY,
+                results_var=workspace.RESULTS_VAR if spec.uses_pytest else None,
+                results_cap=self.settings.max_result_bytes)
+        except OSError as exc:  # the sandbox's programs could not be started at all
+            raise _RunNotStarted(f"the sandbox could not start the tests: {exc!r}") from exc
         if run.killed_by == "sandbox set-up failure":
-            raise _Unscorable(f"sandbox could not be set up: {run.output_tail[-300:]}")
-        report = await asyncio.to_thread(self._read_report, spec, workdir)
+            raise _RunNotStarted(f"sandbox could not be set up: {run.output_tail[-300:]}")
+        if spec.uses_pytest:
+            report = parse_outcome_lines(run.results.decode("utf-8", "replace"))
+            if run.results_truncated:
+                report = replace(report, notes=(*report.notes, "results over the cap were dropped"))
+            if not report.started:
+                tail = " | ".join(run.output_tail.strip().splitlines()[-3:])[-300:]
+                if run.killed_by and run.killed_by.startswith("disk limit"):
+                    raise _AgentsDoing(f"score 0.000, the workspace was over the task's {run.killed_by} before the "
+                                       f"tests started", run.isolation)
+                why = f"stopped by the {run.killed_by}" if run.killed_by else f"exit status {run.exit_code}"
+                raise _RunNotStarted(f"pytest's session never began ({why}): {tail}")
+        else:
+            report = await asyncio.to_thread(self._read_report, spec, workdir)
         return score_tests(spec, report, run), run.isolation
 
     def _read_report(self, spec: TaskEvaluatorSpec, workdir: Path) -> TestReport:
+        """A custom command's JUnit XML (pytest runs report through their pipe instead)."""
         cap = self.settings.max_result_bytes
-        if spec.uses_pytest:
-            text = workspace.read_capped(workdir, f"{workspace.CONTROL_DIR}/{workspace.OUTCOMES_FILE}", cap)
-            return parse_outcome_lines(text or "")
         text = workspace.read_capped(workdir, spec.junit_path or "", cap)
         if text is None:
             return TestReport(notes=(f"no JUnit XML at {spec.junit_path}",))
@@ -453,6 +512,14 @@ def _skipped_note(skipped: tuple[str, ...], shown: int = 5) -> str:
     more = f" and {len(skipped) - shown} more" if len(skipped) > shown else ""
     return (f"{len(skipped)} symlink(s) leading outside the workspace skipped: "
             f"{', '.join(skipped[:shown])}{more}")
+
+
+def _bad_names_note(skipped: tuple[str, ...], shown: int = 5) -> str:
+    """The outcome's word on members left out for their names (a backslash, too long)."""
+    if not skipped:
+        return ""
+    more = f" and {len(skipped) - shown} more" if len(skipped) > shown else ""
+    return f"{len(skipped)} file(s) with names the evaluator does not make skipped: {', '.join(skipped[:shown])}{more}"
 
 
 def _bound(memo: OrderedDict, limit: int = 100_000) -> None:

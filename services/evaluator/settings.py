@@ -61,7 +61,8 @@ class EvaluatorSettings(BaseSettings):
     max_snapshot_bytes: int = Field(default=512 * 2**20, ge=1024)
     max_unpacked_bytes: int = Field(default=2 * 2**30, ge=1024)
     max_members: int = Field(default=100_000, ge=1)
-    max_result_bytes: int = Field(default=8 * 2**20, ge=1024, description="cap on result files read back")
+    max_result_bytes: int = Field(default=8 * 2**20, ge=1024, description=(
+        "cap on the results read back (pytest's results pipe, a custom command's JUnit XML)"))
     keep_workdirs: bool = False
     judge: JudgeSettings | None = None
     scorers: dict[str, float] = Field(

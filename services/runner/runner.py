@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gzip
 import hashlib
+import io
 import logging
 import math
 import secrets
+import tarfile
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -33,6 +36,14 @@ from .tasks import Task
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+# A workspace the runner will not archive (over snapshot_max_bytes: the agent's doing) still
+# gets a snapshot: a stand-in whose PAX global header says why (the ended event has no field
+# for it). The evaluator (services/evaluator/adapters/snapshot.py, same name) scores such a
+# rollout 0 instead of failing its scoring, which would drop it from training. Only a
+# snapshot that could not be stored (or taken, for a reason of the runner's) is missing.
+SNAPSHOT_REFUSED_HEADER = "GYRE.snapshot_refused"
+_REFUSED_NOTE = ".gyre_snapshot_refused.txt"
 
 
 @dataclass(frozen=True)
@@ -193,11 +204,16 @@ class RolloutRunner:
 
     async def _snapshot(self, dirs: workspace.RolloutDirs) -> str | None:
         """The snapshot's digest, or None (the rollout still ends; the reason goes to the
-        runner's log and the rollout's log, whose tail is in the outcome)."""
+        runner's log and the rollout's log, whose tail is in the outcome). A workspace over
+        snapshot_max_bytes gets the stand-in of ``refused_snapshot`` (scored 0); only one
+        that could not be taken otherwise, or stored, has none (its scoring fails)."""
         try:
             data = await asyncio.to_thread(snapshot_workspace, dirs.workspace, max_bytes=self.config.snapshot_max_bytes)
         except SnapshotTooLarge as exc:
-            return self._no_snapshot(dirs, f"{exc} (the runner's snapshot_max_bytes)")
+            reason = f"{exc} (the runner's snapshot_max_bytes)"
+            self._note(dirs, f"workspace not archived: {reason}; a stand-in that says so is stored instead (the "
+                             f"evaluator scores the rollout 0)")
+            data = refused_snapshot(reason)
         except OSError as exc:
             return self._no_snapshot(dirs, f"could not take it: {exc}")
         except Exception as exc:  # e.g. MemoryError: the rollout must still end
@@ -210,10 +226,15 @@ class RolloutRunner:
 
     @staticmethod
     def _no_snapshot(dirs: workspace.RolloutDirs, reason: str) -> None:
-        log.warning("rollout %s: no workspace snapshot: %s", dirs.root.name, reason)
-        with contextlib.suppress(OSError), dirs.log_file.open("a") as f:
-            f.write(f"gyre runner: no workspace snapshot: {reason}\n")
+        RolloutRunner._note(dirs, f"no workspace snapshot: {reason}")
         return None
+
+    @staticmethod
+    def _note(dirs: workspace.RolloutDirs, text: str) -> None:
+        """To the runner's log and the rollout's log (whose tail is in the outcome)."""
+        log.warning("rollout %s: %s", dirs.root.name, text)
+        with contextlib.suppress(OSError), dirs.log_file.open("a") as f:
+            f.write(f"gyre runner: {text}\n")
 
     async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
         """``attempt()``, tried up to ``io_attempts`` times with a doubling backoff; the last
@@ -231,6 +252,19 @@ class RolloutRunner:
             await asyncio.sleep(delay)
             delay *= 2
         raise AssertionError("unreachable")
+
+
+def refused_snapshot(reason: str) -> bytes:
+    """The stand-in for a workspace not archived: a .tar.gz holding one note file, with
+    ``reason`` in its PAX global header ``SNAPSHOT_REFUSED_HEADER``."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT,
+                      pax_headers={SNAPSHOT_REFUSED_HEADER: reason}) as tar:
+        note = f"gyre runner: the workspace was not archived: {reason}\n".encode()
+        info = tarfile.TarInfo(_REFUSED_NOTE)
+        info.size, info.mode, info.mtime = len(note), 0o644, 0
+        tar.addfile(info, io.BytesIO(note))  # a tar of no member cannot be opened again
+    return gzip.compress(raw.getvalue(), mtime=0)
 
 
 def _outcome(state: core.RolloutState, tail: str) -> RolloutOutcome:

@@ -217,19 +217,20 @@ async def test_a_process_that_leaves_the_group_does_not_hold_up_the_run(make_har
     remove_tree(folder)
 
 
-async def test_a_results_file_swapped_for_a_fifo_does_not_hang_the_evaluator(make_harness):
+async def test_the_results_channel_is_no_file_to_swap_and_not_in_the_environment(make_harness):
+    """Once a results file the tests could swap for a FIFO; now the outcomes go to a pipe
+    whose descriptor the plugin takes out of the environment before any test runs."""
     h = await make_harness()
     _require_namespaces(h)
     hidden = dedent_bytes("""
         import os
-        def test_swap_results():
-            out = os.environ["GYRE_OUTCOMES_PATH"]
-            os.remove(out)
-            os.mkfifo(out)  # a reader that follows would block for ever
+        def test_no_channel_to_find():
+            assert not [k for k in os.environ if k.startswith("GYRE_OUTCOMES")]
+            assert sorted(os.listdir(".gyre_eval")) == ["gyre_outcomes.py", "home", "tmp"]
     """)
     spec = calc_spec("fifo", hidden_files={"test_fifo.py": hidden}, weights={}, limits=Limits(wall_s=20))
     ev = await h.score(spec, tar_of({"x.py": ""}))
-    assert isinstance(ev, RolloutScored) and ev.score == 0.0 and ev.tests == []
+    assert isinstance(ev, RolloutScored) and ev.score == 1.0, ev.reason
 
 
 async def test_filling_the_disk_stops_the_run(make_harness, work_root: Path):

@@ -71,12 +71,15 @@ def test_no_results_at_all_says_so():
 
 def test_outcome_lines_survive_garbage_and_a_killed_run():
     text = "\n".join([
+        '{"e": "session"}', '{"e": "item", "id": "a::one"}', '{"e": "item", "id": "a::two"}',
+        '{"e": "item", "id": "a::hang"}', '{"e": "collected", "n": 3}',
         '{"e": "start", "id": "a::one"}', '{"e": "test", "id": "a::one", "outcome": "passed", "msg": ""}',
         "not json", '{"e": "test", "id": "a::two", "outcome": "bogus"}', '{"e": "start", "id": "a::hang"}',
     ])
     r = parse_outcome_lines(text)
     assert [t.name for t in r.tests] == ["a::one"]
-    assert r.running == "a::hang" and not r.finished and r.notes
+    assert r.running == "a::hang" and not r.finished and r.notes and not r.tampering
+    assert r.started and r.collected == ("a::one", "a::two", "a::hang")
 
 
 def test_junit_parsing():

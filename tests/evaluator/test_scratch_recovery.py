@@ -22,14 +22,15 @@ from services.evaluator.settings import EvaluatorSettings
 
 from ._workspaces import CALC_OK, calc_spec, dedent_bytes, tar_of
 
-# Says it started (a file beside itself), then waits (up to 20 s) for its workspace to be
-# deleted under it; the module it then imports is gone: under the old code a 0.0 score.
+# Says it started (a file in the workspace: the hidden folder is read-only), then waits (up
+# to 20 s) for its workspace to be deleted under it; the module it then imports is gone:
+# under the old code a 0.0 score.
 _WAITS_FOR_DELETION = dedent_bytes("""
     import time
     from pathlib import Path
     def test_add():
-        here = Path(__file__)
-        (here.parent / "started").write_text("x")
+        here = Path("started")
+        here.write_text("x")
         deadline = time.monotonic() + 20
         while here.exists() and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -115,8 +115,9 @@ async def test_installed_dependencies_are_left_out_and_an_oversized_workspace_sa
     r = RolloutRunner(RunnerConfig("r", "http://proxy:1", tmp_path / "w2", harness=big, snapshot_max_bytes=4000),
                       bus=bus, blobs=blobs)
     [o] = await r.run_step(0, [Task("demo", "hi\n", time_limit_s=10)], 1)
-    assert o.snapshot_digest is None
-    assert "no workspace snapshot: workspace has more than 4000 bytes of files (the runner's snapshot_max_bytes)" \
+    # the agent's doing: a stand-in snapshot says why (the evaluator scores it 0), see test_refused_snapshot.py
+    assert o.snapshot_digest is not None
+    assert "workspace not archived: workspace has more than 4000 bytes of files (the runner's snapshot_max_bytes)" \
         in o.log_tail
 
 

@@ -1,18 +1,34 @@
 """A pytest plugin that streams each test's outcome as one JSON line, as it happens.
 
-It runs *inside* the sandbox (copied next to the hidden tests and loaded with
+It runs *inside* the sandbox (copied next to the hidden tests, imported by the boot line
+of ``workspace.pytest_argv`` before the workspace is on ``sys.path`` and registered with
 ``-p gyre_outcomes``), so it imports nothing from Gyre. Streaming, unlike JUnit XML
 written at the end, keeps the outcomes of the tests that finished when a later test hangs
 or the run is killed; the ``start`` line names the test that was running then.
 
+The lines go to an inherited pipe (its descriptor number in ``GYRE_OUTCOMES_FD``), whose
+other end the evaluator reads: no file a later process could rewrite, and nothing to find
+in the workspace. At import the plugin takes the variable out of ``os.environ`` and makes
+the descriptor non-inheritable, so what the tests start does not get it. The agent's code
+runs in this process, though, and can still find and write to it: the evaluator's parser
+(``core/results.py``) keeps the first record of each test and treats a test reported
+twice, a record out of its place or anything after ``finish`` as tampering.
+
+The workspace goes on ``sys.path`` only when collection starts, after the ``session``
+line: nothing of the agent's is imported before it (pytest imports stdlib modules such as
+``pdb`` lazily while it starts; a workspace module of that name must not stand in).
+
 With ``GYRE_PER_TEST_S`` set, each test's call phase has that many seconds (SIGALRM):
 a test that hangs in Python code fails with ``TestTimeout`` and the run goes on.
 
-Lines (file named by ``GYRE_OUTCOMES_PATH``)::
+Lines, in this order::
 
+    {"e": "session"}                                   # pytest_sessionstart
+    {"e": "collect_error", "id": "test_io.py", "msg": "ModuleNotFoundError: ..."}
+    {"e": "item", "id": "test_calc.py::test_add"}      # one per collected test
+    {"e": "collected", "n": 3}                         # pytest_collection_finish
     {"e": "start", "id": "test_calc.py::test_add"}
     {"e": "test", "id": "test_calc.py::test_add", "outcome": "passed", "msg": ""}
-    {"e": "collect_error", "id": "test_io.py", "msg": "ModuleNotFoundError: ..."}
     {"e": "finish", "status": 1}
 """
 
@@ -21,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 
 import pytest
 
@@ -28,18 +45,40 @@ _MSG_CHARS = 400
 _PER_TEST_S = float(os.environ.get("GYRE_PER_TEST_S") or 0)
 _state: dict[str, str] = {}
 _msgs: dict[str, str] = {}
-_out = None
+_workspace: str | None = None
+_finished = False
+
+
+def _take_channel() -> int | None:
+    text = os.environ.pop("GYRE_OUTCOMES_FD", None)
+    if not text:
+        return None
+    try:
+        fd = int(text)
+        os.set_inheritable(fd, False)
+    except (ValueError, OSError):
+        return None
+    return fd
+
+
+_fd = _take_channel()
+
+
+def set_workspace(path: str) -> None:
+    """The folder put first on ``sys.path`` once collection starts (called by the boot line)."""
+    global _workspace
+    _workspace = path
 
 
 def _write(record: dict) -> None:
-    global _out
-    if _out is None:
-        path = os.environ.get("GYRE_OUTCOMES_PATH")
-        if not path:
-            return
-        _out = open(path, "a", encoding="utf-8")  # noqa: SIM115  (kept open for the session)
-    _out.write(json.dumps(record) + "\n")
-    _out.flush()
+    if _fd is None or _finished:
+        return
+    data = (json.dumps(record) + "\n").encode()
+    try:
+        while data:
+            data = data[os.write(_fd, data):]
+    except OSError:
+        pass  # the evaluator sees the record missing
 
 
 def _short(report) -> str:
@@ -54,6 +93,23 @@ class TestTimeout(Exception):
     """A single test ran past its own time limit (the run goes on with the next test)."""
 
     __test__ = False
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session):
+    _write({"e": "session"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection(session):
+    if _workspace and _workspace not in sys.path:
+        sys.path.insert(0, _workspace)
+
+
+def pytest_collection_finish(session):
+    for item in session.items:
+        _write({"e": "item", "id": item.nodeid})
+    _write({"e": "collected", "n": len(session.items)})
 
 
 @pytest.hookimpl(wrapper=True)
@@ -105,4 +161,6 @@ def pytest_collectreport(report):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    global _finished
     _write({"e": "finish", "status": int(exitstatus)})
+    _finished = True

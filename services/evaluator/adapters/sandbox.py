@@ -19,6 +19,10 @@ chosen mode's description goes into every score event):
 Every mode: its own session and process group (killed as a whole at the end), a
 wall-clock limit, rlimits on CPU time, address space, processes, file size and core
 dumps, a cap on the output kept, a watch on the workspace's disk use, a clean environment.
+Folders named ``readonly`` (the hidden tests) are not handed to the sandbox's uid and, in
+``namespaces`` mode, are bound read-only onto themselves (a mount point cannot be renamed
+either). With ``results_var`` the command inherits the write end of a pipe (its number in
+that variable) and what it writes there comes back in ``SandboxRun.results``.
 Not bounded without cgroups: the memory of all the sandbox's processes together (each
 has its own address-space limit) and disk use between two checks (about a second).
 """
@@ -33,6 +37,7 @@ import resource
 import select
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -53,14 +58,23 @@ _MODES: tuple[Mode, ...] = ("namespaces", "uid", "none")
 # step aborts with status 97, so a half-built sandbox never runs the command. The shell
 # stays as the namespace's PID 1 (not exec): the kernel spares PID 1 from signals it has
 # no handler for, so a command running as PID 1 would shrug off SIGXCPU.
+#
+# After the workspace, each folder named after it (n of them, relative to the workspace:
+# the hidden tests) is bound read-only onto itself: a mount point cannot be written to,
+# renamed or removed, so the tests' own files stay as the evaluator wrote them.
 _INIT_SH = r"""
-w="$1"; shift
+w="$1"; n="$2"; shift 2
 for d in /tmp /var/tmp /dev/shm /run/lock /dev/mqueue; do
   if [ -d "$d" ] && [ ! -L "$d" ]; then
     mount --bind "$d" "$d" && mount -o remount,bind,ro "$d" || { echo "gyre-sandbox: cannot protect $d" >&2; exit 97; }
   fi
 done
 mount --bind "$w" "$w" && mount -o remount,bind,rw "$w" || { echo "gyre-sandbox: cannot mount $w" >&2; exit 97; }
+while [ "$n" -gt 0 ]; do
+  p="$w/$1"; shift; n=$((n - 1))
+  [ -d "$p" ] && [ ! -L "$p" ] || { echo "gyre-sandbox: $p is not a folder" >&2; exit 97; }
+  mount --bind "$p" "$p" && mount -o remount,bind,ro "$p" || { echo "gyre-sandbox: cannot protect $p" >&2; exit 97; }
+done
 cd "$w" || exit 97
 "$@"
 exit $?
@@ -122,8 +136,9 @@ class Sandbox:
         trial.mkdir(mode=0o755)
         self.mode = mode
         try:
-            script = "import os; open('ok', 'w').write(str(os.getuid()))"
-            run = await self.run([python, "-c", script], workdir=trial, env={}, limits=Limits(wall_s=20))
+            # the tests' interpreter as they run it (isolated mode): pytest must be importable
+            script = "import os, pytest; open('ok', 'w').write(str(os.getuid()))"
+            run = await self.run([python, "-I", "-c", script], workdir=trial, env={}, limits=Limits(wall_s=20))
             if run.exit_code != 0 or not (trial / "ok").exists():
                 return f"trial run failed (exit {run.exit_code}): {run.output_tail[-300:]}"
             return None
@@ -131,20 +146,30 @@ class Sandbox:
             self.mode = None
             shutil.rmtree(trial, ignore_errors=True)
 
-    async def run(self, argv: Sequence[str], *, workdir: Path, env: dict[str, str], limits: Limits) -> SandboxRun:
-        """Run ``argv`` in ``workdir`` under ``limits``; the folder is handed to the sandbox's uid."""
+    async def run(self, argv: Sequence[str], *, workdir: Path, env: dict[str, str], limits: Limits,
+                  readonly: Sequence[str] = (), results_var: str | None = None,
+                  results_cap: int = 8 * 2**20) -> SandboxRun:
+        """Run ``argv`` in ``workdir`` under ``limits``; the folder is handed to the sandbox's uid.
+
+        ``readonly``: folders in ``workdir`` (relative names) that stay the evaluator's,
+        readable but not writable by the sandbox (in ``namespaces`` mode also bound
+        read-only, so they cannot be renamed or replaced either). ``results_var``: the
+        command gets the write end of a pipe, its descriptor number in that environment
+        variable; what it writes there (the first ``results_cap`` bytes) comes back in
+        ``SandboxRun.results``."""
         if self.mode is None:
             raise SandboxUnavailable("call probe() first")
         workdir = Path(os.path.realpath(workdir))
         slot = await self._acquire()
         try:
             uid = self.config.uid_base + slot
-            full = self._command(list(argv), workdir, uid)
-            return await asyncio.to_thread(self._execute, full, workdir, uid, _clean_env(env), limits)
+            full = self._command(list(argv), workdir, uid, readonly=tuple(readonly))
+            return await asyncio.to_thread(self._execute, full, workdir, uid, _clean_env(env), limits,
+                                           tuple(readonly), results_var, results_cap)
         finally:
             await self._release(slot)
 
-    def _command(self, argv: list[str], workdir: Path, uid: int) -> list[str]:
+    def _command(self, argv: list[str], workdir: Path, uid: int, readonly: tuple[str, ...] = ()) -> list[str]:
         if self.mode == "none":
             return argv
         drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--no-new-privs",
@@ -153,31 +178,54 @@ class Sandbox:
             return drop + argv
         unshare = ["unshare", "--net", "--mount", "--pid", "--ipc", "--uts", "--fork", "--kill-child",
                    "--mount-proc", "--"]
-        return unshare + ["/bin/sh", "-c", _INIT_SH, "gyre-sandbox", str(workdir)] + drop + argv
+        return (unshare + ["/bin/sh", "-c", _INIT_SH, "gyre-sandbox", str(workdir), str(len(readonly)), *readonly]
+                + drop + argv)
 
-    def _execute(self, argv: list[str], workdir: Path, uid: int, env: dict[str, str], limits: Limits) -> SandboxRun:
+    def _execute(self, argv: list[str], workdir: Path, uid: int, env: dict[str, str], limits: Limits,
+                 readonly: tuple[str, ...] = (), results_var: str | None = None,
+                 results_cap: int = 8 * 2**20) -> SandboxRun:
         """Blocking (run in a thread): asyncio's wait() would also wait for the pipe,
         which a process that escaped the group could hold open for ever."""
         if self.mode == "uid":
             _kill_uid(uid)  # leftovers of an earlier evaluator that did not end cleanly
             try:
-                return self._execute_once(argv, workdir, uid, env, limits)
+                return self._execute_once(argv, workdir, uid, env, limits, readonly, results_var, results_cap)
             finally:
                 _kill_uid(uid)
-        return self._execute_once(argv, workdir, uid, env, limits)
+        return self._execute_once(argv, workdir, uid, env, limits, readonly, results_var, results_cap)
 
-    def _execute_once(self, argv: list[str], workdir: Path, uid: int, env: dict[str, str],
-                      limits: Limits) -> SandboxRun:
-        started = time.monotonic()
+    def _execute_once(self, argv: list[str], workdir: Path, uid: int, env: dict[str, str], limits: Limits,
+                      readonly: tuple[str, ...], results_var: str | None, results_cap: int) -> SandboxRun:
         if self.mode != "none":
-            _give_tree(workdir, uid)
-        proc = subprocess.Popen(
-            argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_rlimits(limits, nproc=self.mode != "none"),
-        )
+            _give_tree(workdir, uid, readonly)
+        started = time.monotonic()  # after the hand-over: a workspace of many files costs no test time
+        read_fd = write_fd = None
+        if results_var:
+            read_fd, write_fd = os.pipe()  # both ends close-on-exec; the child gets the write end only
+            env = {**env, results_var: str(write_fd)}
+        try:
+            proc = subprocess.Popen(
+                argv, cwd=workdir, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_rlimits(limits, nproc=self.mode != "none"),
+                pass_fds=(write_fd,) if write_fd is not None else (),
+            )
+        except BaseException:
+            if read_fd is not None:
+                os.close(read_fd)
+            raise
+        finally:
+            if write_fd is not None:
+                os.close(write_fd)  # the child's copy is the only one left: EOF once it is gone
         out = _CappedOutput(limits.output_bytes, limits.output_bytes * self.config.output_kill_factor)
         reader = threading.Thread(target=out.drain, args=(proc.stdout,), daemon=True)
         reader.start()
+        results: _CappedOutput | None = None
+        results_reader: threading.Thread | None = None
+        if read_fd is not None:
+            results = _CappedOutput(results_cap, 2**62)  # over the cap: drained and dropped, never a stall
+            results_reader = threading.Thread(target=results.drain, args=(read_fd,), daemon=True)
+            results_reader.start()
         killed_by: str | None = None
         next_disk_check = started + 1.0
         while True:
@@ -199,11 +247,17 @@ class Sandbox:
                     code = proc.wait()
                     break
         _kill_group(proc.pid)  # leftovers of the group, if any
-        reader.join(2.0)
-        out.stop = True  # an escaped process may still hold the pipe: stop reading anyway
-        reader.join(1.0)
+        readers = [(reader, out)] + ([(results_reader, results)] if results_reader and results else [])
+        until = time.monotonic() + 2.0
+        for thread, _ in readers:
+            thread.join(max(0.0, until - time.monotonic()))
+        for thread, capped in readers:
+            capped.stop = True  # an escaped process may still hold the pipe: stop reading anyway
+            thread.join(1.0)
         if not reader.is_alive() and proc.stdout:
             proc.stdout.close()
+        if results_reader is not None and not results_reader.is_alive() and read_fd is not None:
+            os.close(read_fd)
         if self.mode == "namespaces" and code is not None and code > 128:
             code = -(code - 128)  # the init shell reports "killed by signal n" as 128 + n
         if killed_by is None:
@@ -213,6 +267,7 @@ class Sandbox:
         return SandboxRun(
             exit_code=code, killed_by=killed_by, output_tail=out.text_tail(), output_truncated=out.truncated,
             isolation=self.description, duration_s=time.monotonic() - started,
+            results=bytes(results.head) if results else b"", results_truncated=bool(results and results.truncated),
         )
 
     async def _acquire(self) -> int:
@@ -237,7 +292,7 @@ class _CappedOutput:
         self.stop = False
 
     def drain(self, stream) -> None:
-        fd = stream.fileno()
+        fd = stream if isinstance(stream, int) else stream.fileno()
         while not self.stop:
             ready, _, _ = select.select([fd], [], [], 0.2)
             if not ready:
@@ -336,11 +391,36 @@ def _kill_uid(uid: int) -> None:
         log.error("sandbox: could not kill the processes of uid %d: %r", uid, exc)
 
 
-def _give_tree(root: Path, uid: int) -> None:
+def _give_tree(root: Path, uid: int, keep: Sequence[str] = ()) -> None:
+    """Hand ``root`` and what it holds to ``uid``, except the folders ``keep`` names
+    (relative to ``root``): those stay the evaluator's, readable by all (``_open_up``)."""
+    kept = {os.path.join(root, k) for k in keep}
     os.lchown(root, uid, uid)
     for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in kept]
         for name in dirnames + filenames:
-            os.lchown(os.path.join(dirpath, name), uid, uid)
+            path = os.path.join(dirpath, name)
+            if path not in kept:
+                os.lchown(path, uid, uid)
+    _open_up(root, keep)
+
+
+def _open_up(root: Path, keep: Sequence[str]) -> None:
+    """Make the kept folders readable by the sandbox's uid whatever the evaluator's umask:
+    folders 0755, files 0644 (0755 if executable); links are left as they are."""
+    for rel in keep:
+        top = os.path.join(root, rel)
+        if os.path.islink(top) or not os.path.isdir(top):
+            continue
+        os.chmod(top, 0o755)
+        for dirpath, dirnames, filenames in os.walk(top):
+            for name in dirnames + filenames:
+                path = os.path.join(dirpath, name)
+                st = os.lstat(path)
+                if stat.S_ISDIR(st.st_mode):
+                    os.chmod(path, 0o755)
+                elif stat.S_ISREG(st.st_mode):
+                    os.chmod(path, 0o755 if st.st_mode & 0o100 else 0o644)
 
 
 def _clean_env(extra: dict[str, str]) -> dict[str, str]:

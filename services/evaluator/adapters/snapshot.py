@@ -11,6 +11,14 @@ e.g. ``venv/bin/python -> /usr/bin/python3`` after ``python -m venv venv``) is s
 never made, never followed, and named in ``Unpacked.skipped_links``, so the rest of the
 workspace can still be scored. After the links are made, each one's real target is
 checked; one that leads out through other links is removed again (and listed) the same way.
+A member whose name the agent could give a file but the evaluator will not make (a
+backslash in it, a path too long to make under the scratch folder) is skipped the same way
+(``Unpacked.skipped_names``).
+
+What the agent's workspace alone decides is told apart from a damaged archive: a snapshot
+over the caps (``SnapshotOverLimits``), or the runner's stand-in for a workspace it would
+not archive (``SnapshotRefused``, see ``REFUSED_HEADER``), score the rollout 0; any other
+``UnsafeSnapshot`` (corrupt, names no runner writes) fails its scoring.
 """
 
 from __future__ import annotations
@@ -31,6 +39,22 @@ class UnsafeSnapshot(ValueError):
     """The archive is corrupt, too big, or tries to reach outside its folder."""
 
 
+class SnapshotOverLimits(UnsafeSnapshot):
+    """Too big or too many files: the workspace's own doing (the rollout scores 0)."""
+
+
+class SnapshotRefused(UnsafeSnapshot):
+    """The runner stored a stand-in: it would not archive the workspace (the message says why)."""
+
+
+# The runner's stand-in for a workspace it would not archive (over its snapshot_max_bytes)
+# carries the reason in this PAX global header (services/runner/runner.py writes it; the
+# agent names files, never headers, so it cannot forge one).
+REFUSED_HEADER = "GYRE.snapshot_refused"
+# Longest path (bytes) made under the scratch folder; the kernel refuses 4096 and more.
+_MAX_PATH_BYTES = 4000
+
+
 @dataclass(frozen=True)
 class UnpackLimits:
     max_archive_bytes: int = 512 * 2**20
@@ -44,20 +68,25 @@ class Unpacked:
     bytes: int
     links: int  # symbolic links made
     skipped_links: tuple[str, ...] = ()  # "name -> target" of links left out: they lead outside
+    skipped_names: tuple[str, ...] = ()  # members left out for their names (a backslash, too long)
 
 
 def unpack_snapshot(data: bytes, dest: Path, limits: UnpackLimits = UnpackLimits()) -> Unpacked:
     """Write the archive's contents under ``dest`` (an empty folder), or raise UnsafeSnapshot."""
     if len(data) > limits.max_archive_bytes:
-        raise UnsafeSnapshot(f"archive of {len(data)} bytes is over the {limits.max_archive_bytes}-byte cap")
+        raise SnapshotOverLimits(f"archive of {len(data)} bytes is over the {limits.max_archive_bytes}-byte cap")
     try:
         tar = tarfile.open(fileobj=io.BytesIO(data), mode="r:*")  # noqa: SIM115  (closed below)
     except (tarfile.TarError, EOFError, OSError) as exc:
         raise UnsafeSnapshot("not a readable tar archive: " + " ".join(str(exc).split())) from exc
     try:
         with tar:
-            members, skipped = _checked_members(tar, limits)
-            return _extract(tar, members, dest.resolve(), limits, skipped)
+            refused = tar.pax_headers.get(REFUSED_HEADER)
+            if refused is not None:
+                raise SnapshotRefused(str(refused)[:500] or "no reason given")
+            root = dest.resolve()
+            members, skipped, bad_names = _checked_members(tar, limits, root)
+            return _extract(tar, members, root, limits, skipped, bad_names)
     except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
         if isinstance(exc, UnsafeSnapshot):
             raise
@@ -65,18 +94,27 @@ def unpack_snapshot(data: bytes, dest: Path, limits: UnpackLimits = UnpackLimits
 
 
 def _checked_members(
-    tar: tarfile.TarFile, limits: UnpackLimits
-) -> tuple[list[tuple[tarfile.TarInfo, PurePosixPath]], list[str]]:
-    """The members to write, and the symbolic links left out because they lead outside."""
+    tar: tarfile.TarFile, limits: UnpackLimits, root: Path
+) -> tuple[list[tuple[tarfile.TarInfo, PurePosixPath]], list[str], list[str]]:
+    """The members to write, the symbolic links left out because they lead outside, and
+    the members left out for their names."""
     out: list[tuple[tarfile.TarInfo, PurePosixPath]] = []
     skipped: list[str] = []
+    bad_names: list[str] = []
     declared = 0
+    root_bytes = len(os.fsencode(str(root)))
     for count, m in enumerate(tar, start=1):
         if count > limits.max_members:
-            raise UnsafeSnapshot(f"more than {limits.max_members} members")
+            raise SnapshotOverLimits(f"more than {limits.max_members} members (files and folders)")
+        if "\\" in m.name and "\x00" not in m.name:  # a legal file name; not one we make
+            bad_names.append(f"{m.name[:200]!r} (a backslash in the name)")
+            continue
         rel = _safe_name(m.name)
         if rel is None:
             continue  # the archive's root "." itself
+        if root_bytes + 1 + len(os.fsencode(str(rel))) > _MAX_PATH_BYTES:
+            bad_names.append(f"{m.name[:100]!r}... (path too long)")
+            continue
         if m.ischr() or m.isblk() or m.isfifo() or m.isdev():
             raise UnsafeSnapshot(f"member {m.name!r} is a device or FIFO")
         if m.issym():
@@ -95,9 +133,9 @@ def _checked_members(
         if m.isfile():
             declared += m.size
             if declared > limits.max_unpacked_bytes:
-                raise UnsafeSnapshot(f"unpacks to more than {limits.max_unpacked_bytes} bytes")
+                raise SnapshotOverLimits(f"unpacks to more than {limits.max_unpacked_bytes} bytes")
         out.append((m, rel))
-    return out, skipped
+    return out, skipped, bad_names
 
 
 def _safe_name(name: str) -> PurePosixPath | None:
@@ -130,7 +168,7 @@ def _describe_link(rel: PurePosixPath, target: str) -> str:
 
 def _extract(
     tar: tarfile.TarFile, members: list[tuple[tarfile.TarInfo, PurePosixPath]], root: Path, limits: UnpackLimits,
-    skipped: list[str],
+    skipped: list[str], bad_names: list[str],
 ) -> Unpacked:
     written = files = 0
     links: list[tuple[PurePosixPath, str]] = []
@@ -158,7 +196,10 @@ def _extract(
     if skipped:
         log.info("snapshot: %d symbolic link(s) leading outside the workspace not made: %s",
                  len(skipped), ", ".join(skipped[:10]) + (" ..." if len(skipped) > 10 else ""))
-    return Unpacked(files, written, len(links), tuple(skipped))
+    if bad_names:
+        log.info("snapshot: %d member(s) left out for their names: %s", len(bad_names),
+                 ", ".join(bad_names[:10]) + (" ..." if len(bad_names) > 10 else ""))
+    return Unpacked(files, written, len(links), tuple(skipped), tuple(bad_names))
 
 
 def _drop_links_leading_out(
@@ -207,7 +248,7 @@ def _write_file(
             raise UnsafeSnapshot(f"hard link {m.name!r} names no earlier file ({m.linkname!r})")
         size = source.stat().st_size
         if size > budget:
-            raise UnsafeSnapshot("unpacked size over the cap")
+            raise SnapshotOverLimits("unpacked size over the cap")
         shutil.copyfile(source, path, follow_symlinks=False)
         mode = stat.S_IMODE(source.stat().st_mode)
     else:
@@ -220,7 +261,7 @@ def _write_file(
             while chunk := src.read(1 << 20):
                 size += len(chunk)
                 if size > budget:
-                    raise UnsafeSnapshot("unpacked size over the cap")
+                    raise SnapshotOverLimits("unpacked size over the cap")
                 out.write(chunk)
         mode = m.mode
     # Keep the execute bits, drop setuid/setgid/sticky and write access for others.

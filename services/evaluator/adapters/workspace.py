@@ -11,9 +11,13 @@ from libs.common.fs import remove_tree  # noqa: F401 (also the service's: worksp
 
 from ..core.spec import HIDDEN_DIR, TaskEvaluatorSpec
 
-CONTROL_DIR = ".gyre_eval"  # Gyre's plugin and result files (recreated for every run)
+CONTROL_DIR = ".gyre_eval"  # Gyre's plugin, the tests' HOME and TMPDIR (recreated for every run)
 PLUGIN_MODULE = "gyre_outcomes"
-OUTCOMES_FILE = "outcomes.jsonl"
+# The plugin's outcome lines go to a pipe (never a file in the workspace); its write end's
+# descriptor number is in this variable, which the plugin deletes from os.environ at import.
+RESULTS_VAR = "GYRE_OUTCOMES_FD"
+# Folders of the workspace the sandbox may read but not change (nor rename, in namespaces mode).
+READONLY = (HIDDEN_DIR,)
 _PLUGIN_SOURCE = Path(__file__).with_name("pytest_outcomes.py")
 _SKIP = {HIDDEN_DIR, CONTROL_DIR, ".git", "__pycache__", ".pytest_cache", "node_modules", ".venv"}
 
@@ -86,10 +90,14 @@ def _remove_entry(dir_fd: int, name: str, path: Path) -> None:
         os.unlink(name, dir_fd=dir_fd)
 
 
-# pytest is imported in isolated mode (-I: no PYTHONPATH, no current folder) *before* the
-# control folder and the workspace go on sys.path, so a pytest.py or _pytest/ the agent
-# left in its workspace cannot stand in for the runner.
-_BOOT = "import sys, pytest; sys.path[:0] = sys.argv[1:3]; sys.exit(pytest.main(sys.argv[3:]))"
+# pytest is imported in isolated mode (-I: no PYTHONPATH, no current folder) before the
+# control folder goes on sys.path, and Gyre's plugin from there; the workspace goes on
+# sys.path only when collection starts (the plugin puts it first then), after the
+# plugin's "session" line. So a pytest.py, _pytest/ or a module named like one that pytest
+# imports while it starts (pdb, unittest, difflib, ...) in the workspace is never used by
+# the runner, and none of the agent's code runs before the session began.
+_BOOT = ("import sys, pytest; sys.path.insert(0, sys.argv[1]); import " + PLUGIN_MODULE + " as p; "
+         "p.set_workspace(sys.argv[2]); sys.exit(pytest.main(sys.argv[3:]))")
 
 
 def pytest_argv(python: str, workdir: Path) -> list[str]:
@@ -97,7 +105,9 @@ def pytest_argv(python: str, workdir: Path) -> list[str]:
     # rootdir and confcutdir at the hidden folder: test names are relative to it, and a
     # conftest.py or ini file the agent wrote in its workspace is not loaded. A hidden test
     # file that fails to import (a module the agent never wrote) must not stop the others
-    # from running: its tests count as failed, the rest still score.
+    # from running: its tests count as failed, the rest still score. Plugins are not
+    # auto-loaded (PYTEST_DISABLE_PLUGIN_AUTOLOAD in sandbox_env: a .dist-info in the
+    # workspace, on sys.path, could declare one); Gyre's own is named here.
     return [
         python, "-I", "-B", "-u", "-c", _BOOT, str(workdir / CONTROL_DIR), str(workdir),
         "-q", "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--continue-on-collection-errors",
@@ -117,7 +127,9 @@ def sandbox_env(workdir: Path, control: Path) -> dict[str, str]:
         "OMP_NUM_THREADS": "1",
         "OPENBLAS_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
-        "GYRE_OUTCOMES_PATH": str(control / OUTCOMES_FILE),
+        # No pytest11 entry point is loaded, not even one a .dist-info folder in the
+        # workspace declares; the plugins a run needs are named with -p.
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
 
 

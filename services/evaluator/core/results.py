@@ -15,6 +15,7 @@ from typing import Literal
 
 Outcome = Literal["passed", "failed", "error", "skipped", "missing"]
 _OUTCOMES = {"passed", "failed", "error", "skipped"}
+_KINDS = {"session", "item", "collect_error", "collected", "start", "test", "finish"}
 
 
 @dataclass(frozen=True)
@@ -36,13 +37,31 @@ class TestReport:
     exit_status: int | None = None
     running: str | None = None  # the test in progress when the run stopped, if any
     notes: tuple[str, ...] = field(default=())
+    started: bool = True  # the test session began (Gyre's plugin wrote its ``session`` line)
+    collected: tuple[str, ...] | None = None  # every test collected, once collection finished
+    tampering: tuple[str, ...] = ()  # what in the results only the agent's code could have written
 
 
 def parse_outcome_lines(text: str) -> TestReport:
+    """The plugin's lines as a report. The first record of a test is the one kept; since the
+    agent's code runs in the process that writes them, a record no honest run writes (a
+    test reported twice, a test nobody started or collected, a record before the session
+    or after ``finish``) is listed in ``tampering``."""
     tests: dict[str, ObservedTest] = {}
     errors: list[tuple[str, str]] = []
+    items: list[str] = []
+    item_set: set[str] = set()
+    item_records = 0
+    tampering: list[str] = []
     started: str | None = None
-    finished, status, bad = False, None, 0
+    collected: tuple[str, ...] | None = None
+    session = finished = False
+    status, bad = None, 0
+
+    def tamper(what: str) -> None:
+        if len(tampering) < 20:
+            tampering.append(what[:300])
+
     for line in text.splitlines():
         try:
             rec = json.loads(line)
@@ -53,21 +72,52 @@ def parse_outcome_lines(text: str) -> TestReport:
             bad += 1
             continue
         kind, node = rec.get("e"), str(rec.get("id", ""))[:500]
-        if kind == "start":
-            started = node
-        elif kind == "test" and rec.get("outcome") in _OUTCOMES:
-            tests[node] = ObservedTest(node, rec["outcome"], str(rec.get("msg", ""))[:500])
-            if started == node:
-                started = None
+        if kind not in _KINDS or (kind == "test" and rec.get("outcome") not in _OUTCOMES):
+            bad += 1
+            continue
+        if finished:
+            tamper(f"a {kind!r} record after the session's end")
+            continue
+        if not session and kind != "session":
+            tamper(f"a {kind!r} record before the session started")
+            continue
+        if kind == "session":
+            if session:
+                tamper("the session started twice")
+            session = True
+        elif kind in ("item", "collect_error", "collected") and collected is not None:
+            tamper(f"a {kind!r} record after collection finished")
+        elif kind == "item":
+            item_records += 1
+            if node not in item_set:
+                item_set.add(node)
+                items.append(node)
         elif kind == "collect_error":
             errors.append((node, str(rec.get("msg", ""))[:500]))
+        elif kind == "collected":
+            collected = tuple(items)
+            if rec.get("n") != item_records:
+                tamper(f"collection counted {rec.get('n')!r} tests but named {item_records}")
+        elif kind in ("start", "test") and collected is None:
+            tamper(f"{node} {'started' if kind == 'start' else 'reported'} before collection finished")
+        elif kind in ("start", "test") and node not in item_set:
+            tamper(f"{node} {'started' if kind == 'start' else 'reported'} but never collected")
+        elif kind in ("start", "test") and node in tests:
+            tamper(f"{node} {'started again' if kind == 'start' else 'reported twice'}")
+        elif kind == "start":
+            started = node
+        elif kind == "test":
+            if started != node:
+                tamper(f"{node} reported while {started or 'no test'} was running")
+                continue
+            tests[node] = ObservedTest(node, rec["outcome"], str(rec.get("msg", ""))[:500])
+            started = None
         elif kind == "finish":
             finished = True
             status = rec.get("status") if isinstance(rec.get("status"), int) else None
-        else:
-            bad += 1
     notes = (f"{bad} unreadable result line(s)",) if bad else ()
-    return TestReport(tuple(tests.values()), tuple(errors), finished, status, started, notes)
+    return TestReport(tuple(tests.values()), tuple(errors), finished, status, started, notes,
+                      started=session, collected=collected, tampering=tuple(tampering))
 
 
 def parse_junit(xml_text: str) -> TestReport:

@@ -1,10 +1,11 @@
 """Scoring, pure: a test report and a judge's answer in, the rollout's score event out.
 
 Score of the tests = (sum of the weights of passed tests) / (sum of all weights), where
-"all" is every test seen, every test the spec names but the run never reported
-(``missing``), the test that was running when the run was stopped (``error``), and each
-file that could not be collected (``error``, unless the spec names tests in it: those
-are then ``missing``). Skipped tests count as not passed: agent code could skip them.
+"all" is every test seen, every test collected or named by the spec that the run never
+reported (``missing``), the test that was running when the run was stopped (``error``),
+and each file that could not be collected (``error``, unless the spec names tests in it:
+those are then ``missing``). Skipped tests count as not passed: agent code could skip
+them. Results the agent's code tampered with score 0 (``TestsVerdict.tampered``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class SandboxRun:
     output_truncated: bool
     isolation: str
     duration_s: float
+    results: bytes = b""  # what the test process wrote to its results pipe (capped), if it had one
+    results_truncated: bool = False
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class TestsVerdict:
     score: float
     outcomes: tuple[TestOutcome, ...]
     reason: str
+    tampered: bool = False  # the results were forged: the whole rollout scores 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,12 @@ def score_tests(spec: TaskEvaluatorSpec, report: TestReport, run: SandboxRun) ->
     if report.running and report.running not in seen:
         outcomes.append(TestOutcome(name=report.running, outcome="error", weight=weight_of(spec, report.running)))
         seen.add(report.running)
+    # Collected but never reported (the run ended or was stopped first): not passed, so a
+    # test that ends the process cannot make the tests after it vanish from the total.
+    for name in report.collected or ():
+        if name not in seen:
+            outcomes.append(TestOutcome(name=name, outcome="missing", weight=weight_of(spec, name)))
+            seen.add(name)
     for name, w in spec.weights.items():
         if name not in seen:
             outcomes.append(TestOutcome(name=name, outcome="missing", weight=w))
@@ -68,6 +78,15 @@ def score_tests(spec: TaskEvaluatorSpec, report: TestReport, run: SandboxRun) ->
         if node not in seen and not named_inside:
             outcomes.append(TestOutcome(name=node, outcome="error", weight=spec.default_weight))
             seen.add(node)
+    if report.tampering:
+        # Only code in the test process (the agent's) writes such records: nothing it
+        # reported counts, and the rollout scores 0 (service: no judge, no plugins).
+        outcomes = [o.model_copy(update={"outcome": "error", "message": "results tampered with"})
+                    if o.outcome == "passed" else o for o in outcomes]
+        extra = len(report.tampering) - 3
+        why = "; ".join(report.tampering[:3]) + (f" (+{extra} more)" if extra > 0 else "")
+        return TestsVerdict(0.0, tuple(outcomes), f"score 0.000, test results tampered with by code in the test "
+                                                  f"process: {why}", tampered=True)
     total = sum(o.weight for o in outcomes)
     passed = sum(o.weight for o in outcomes if o.outcome == "passed")
     score = passed / total if total > 0 else 0.0
@@ -204,6 +223,15 @@ def scored_event(
     if "reason" in RolloutScored.model_fields:  # field requested from the catalogue owner
         fields["reason"] = result.reason
     return RolloutScored(**fields)
+
+
+def zero_event(ended: RolloutEnded, reason: str, *, outcomes: tuple[TestOutcome, ...] = (),
+               isolation: str = "none (no tests run)", tests_digest: str | None = None) -> RolloutScored:
+    """A score of 0 for what the agent did to its own rollout (results tampered with, a
+    workspace over the limits): scored, so its group still learns from it, never a
+    failure that would drop it. No judge or scorer plugin adds to it."""
+    components = {"tests": 0.0} if outcomes else {}
+    return scored_event(ended, Combined(0.0, components, reason), outcomes, isolation, tests_digest=tests_digest)
 
 
 def failed_event(ended: RolloutEnded, reason: str) -> RolloutScoringFailed:
