@@ -21,10 +21,11 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
 from .api import anthropic, openai_chat, openai_responses
-from .api.common import Accepted, ApiError, ChatRequest, Finished, GenEvent
+from .api.common import Accepted, ApiError, ChatRequest, Finished, GenEvent, Keepalive, StreamState
 from .core.routing import NoCellAvailable
 from .service import CallHints, ProxyService
 
@@ -32,7 +33,8 @@ log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
-# each API's module: parse, response, stream, error_body, stream_error, KEEPALIVE, REQUEST_ID_HEADER
+# each API's module: parse, response, stream (which answers a Keepalive with its own), error_body,
+# stream_error, REQUEST_ID_HEADER
 API: dict[str, ModuleType] = {"openai_chat": openai_chat, "openai_responses": openai_responses,
                               "anthropic_messages": anthropic}
 DISCONNECT_POLL_S = 0.5  # how often a call whose caller waits in silence checks that it is still there
@@ -100,13 +102,14 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
         mod = API[api]
         events: AsyncIterator[GenEvent] | None = None
         streaming = False  # the response is a stream, which closes ``events`` itself
+        state = StreamState()
         try:
             await service.authorize(rollout, _api_key(request))
             req: ChatRequest = mod.parse(await _json_body(request, max_body_bytes))
             service.resolve_model(req.model)
             hints = CallHints(request.headers.get("x-claude-code-agent-id"),
                               request.headers.get("x-claude-code-parent-agent-id"), request.headers.get("x-gyre-role"))
-            events = service.serve(rollout, req, hints)
+            events = service.serve(rollout, req, hints, state if req.stream else None)
             started = time.monotonic()
             if not req.stream:
                 # the whole call, watched from the start: a caller gone before the first token
@@ -127,7 +130,10 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
             first = await _watched(nxt, request, min(FIRST_EVENT_GRACE_S, service.config.keepalive_s))
             if first is None:
                 return Response(status_code=499)
-            streaming = True
+            streaming = state.opened = True  # from now on a failure before any content waits for a cell
+        except ClientDisconnect:  # the caller left while its body was being read: nobody to answer
+            log.info("%s call of %s: the caller left while sending its request", api, rollout)
+            return Response(status_code=499)
         except ApiError as e:
             return err(api, e)
         except NoCellAvailable as e:
@@ -161,6 +167,9 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
             await service.authorize(rollout, _api_key(request))
             req = anthropic.parse(await _json_body(request, max_body_bytes), count_only=True)
             return JSONResponse({"input_tokens": await service.count_tokens(rollout, req)})
+        except ClientDisconnect:
+            log.info("count_tokens call of %s: the caller left while sending its request", rollout)
+            return Response(status_code=499)
         except ApiError as e:
             return err("anthropic_messages", e)
         except Exception as e:
@@ -268,12 +277,16 @@ async def _close(nxt: asyncio.Future, body: AsyncIterator[str], events: AsyncIte
 async def _sse(req: ChatRequest, call_id: str, nxt: asyncio.Future, events: AsyncIterator[GenEvent],
                mod: ModuleType, keepalive_s: float, api: str, metrics: Metrics,
                started: float) -> AsyncIterator[str]:
-    """The API's stream of the call, with a keepalive whenever nothing went out for
-    ``keepalive_s`` (a tool call is streamed only once complete; a long prefill or a queue
-    is silent too). An error in the call reaches the API's formatter as an ApiError, which
-    it ends its stream with in its own format. ``nxt``: the call's next event after
-    ``Accepted``, maybe still to come."""
+    """The API's stream of the call, with the API's keepalive whenever nothing went out for
+    ``keepalive_s`` (a tool call is streamed only once complete; a long prefill, a queue, a
+    call waiting for a cell are silent too): a ``Keepalive`` put in the formatter's events,
+    while the call's next event is still awaited (not cancelled). An error in the call
+    reaches the API's formatter as an ApiError, which it ends its stream with in its own
+    format. ``nxt``: the call's next event after ``Accepted``, maybe still to come."""
     fin: list[Finished] = []
+    loop = asyncio.get_running_loop()
+    last_out = [loop.time()]  # when the last chunk (or keepalive) went out
+    waiting: list[asyncio.Future | None] = [None]  # the call's next event, awaited across keepalives
 
     async def rest() -> AsyncIterator[GenEvent]:
         try:
@@ -288,7 +301,21 @@ async def _sse(req: ChatRequest, call_id: str, nxt: asyncio.Future, events: Asyn
 
     async def tracked() -> AsyncIterator[GenEvent]:
         try:
-            async for ev in inner:
+            while True:
+                if waiting[0] is None:
+                    waiting[0] = asyncio.ensure_future(inner.__anext__())
+                quiet = last_out[0] + keepalive_s - loop.time()
+                if quiet > 0:
+                    await asyncio.wait({waiting[0]}, timeout=quiet)
+                if not waiting[0].done():
+                    last_out[0] = loop.time()  # even if a formatter sent nothing for it: no busy loop
+                    yield Keepalive()
+                    continue
+                task, waiting[0] = waiting[0], None
+                try:
+                    ev = task.result()
+                except StopAsyncIteration:
+                    return
                 if isinstance(ev, Finished):
                     fin.append(ev)
                 yield ev
@@ -302,18 +329,9 @@ async def _sse(req: ChatRequest, call_id: str, nxt: asyncio.Future, events: Asyn
 
     source = tracked()
     out = mod.stream(req, call_id, source)
-    pending: asyncio.Future | None = None
     try:
-        while True:
-            pending = asyncio.ensure_future(out.__anext__())
-            while not (await asyncio.wait({pending}, timeout=keepalive_s))[0]:
-                yield mod.KEEPALIVE
-            try:
-                chunk = pending.result()
-            except StopAsyncIteration:
-                break
-            finally:
-                pending = None
+        async for chunk in out:
+            last_out[0] = loop.time()
             yield chunk
     except ApiError as e:  # a formatter that let one through
         yield mod.stream_error(e, call_id)
@@ -326,14 +344,11 @@ async def _sse(req: ChatRequest, call_id: str, nxt: asyncio.Future, events: Asyn
         # waits, which aborts it on its cell and records it undelivered; shielded, as the
         # server's cancellation would otherwise interrupt this clean-up too
         with anyio.CancelScope(shield=True):
-            if pending is not None and not pending.done():
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await pending
-            if not nxt.done():
-                nxt.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await nxt
+            for fut in (waiting[0], nxt):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, Exception):
+                        await fut
             for gen in (out, source, inner, events):
                 with contextlib.suppress(RuntimeError):
                     await gen.aclose()  # type: ignore[attr-defined]

@@ -8,13 +8,18 @@ answer and the record holds each token's real logprob and weight version. The fa
 attempt is aborted on its cell (best effort), so a cell that is only slow does not keep
 generating for nobody. A cell that refuses the request itself (a 4xx) ends the call:
 another cell would refuse it too.
+
+When no cell is left to try (every active one failed the call, or none is active), the
+caller's ``again`` decides: it may wait (a streamed call that has shown nothing yet waits
+for a cell, see ``ProxyService``) and answer True, and the call tries every active cell
+again, still from the tokens already produced.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -78,16 +83,35 @@ def _version(meta: dict[str, Any]) -> int:
 
 
 async def generate(router: Router, clients: dict[str, CellClient], session: str, rid: str, input_ids: list[int],
-                   sampling: dict[str, Any], outcome: Outcome, *, max_attempts: int = 4) -> AsyncIterator[Piece]:
-    """Yield output pieces until the generation finishes; fill ``outcome`` at the end."""
+                   sampling: dict[str, Any], outcome: Outcome, *, max_attempts: int = 4,
+                   again: Callable[[str], Awaitable[bool]] | None = None) -> AsyncIterator[Piece]:
+    """Yield output pieces until the generation finishes; fill ``outcome`` at the end.
+
+    At most ``max_attempts`` cells are tried, each once; then (or when no active cell is
+    left to try) ``await again(why)`` says whether to try them all once more (it waits
+    first), else CellFailure. Attempt ``n`` runs as request ``{rid}-{n}`` on the cell
+    ``outcome.cells[n]``."""
     produced: list[int] = []
     budget = int(sampling.get("max_new_tokens", 128))
     tried: set[str] = set()
-    for attempt in range(max_attempts):
-        try:
-            cell = router.pick(session, exclude=tried)
-        except NoCellAvailable as exc:
-            raise CellFailure(str(exc)) from exc
+    attempt = 0  # over the whole call: each attempt is its own request id
+    left = max_attempts  # attempts left in this round
+    while True:
+        cell = None
+        if left > 0:
+            try:
+                cell = router.pick(session, exclude=tried)
+            except NoCellAvailable as exc:
+                why = str(exc) if not tried else f"{exc} (failed on {sorted(tried)})"
+        else:
+            why = f"generation failed on cells {outcome.cells}"
+        if cell is None:
+            if again is not None and await again(why):
+                tried.clear()
+                left = max_attempts
+                continue
+            raise CellFailure(why)
+        left -= 1
         outcome.cells.append(cell)
         router.begin(cell)
         try:
@@ -130,10 +154,10 @@ async def generate(router: Router, clients: dict[str, CellClient], session: str,
             tried.add(cell)
         finally:
             router.end(cell)
+        attempt += 1
         if len(produced) >= budget:
             outcome.finish_reason = "length"
             return
-    raise CellFailure(f"generation failed on cells {outcome.cells}")
 
 
 def _note_failure(router: Router, cell: str, exc: BaseException) -> None:

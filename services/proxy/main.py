@@ -17,8 +17,11 @@ Configuration (environment):
 - ``GYRE_PROXY_RENDER_THREADS``: threads that render chat templates and tokenise off the
   event loop (default 2; an integer >= 1);
 - ``GYRE_PROXY_KEEPALIVE_S``: a streamed answer that sent nothing for this many seconds
-  gets a keepalive (Anthropic's ``ping`` event, an SSE comment for OpenAI's APIs; default
-  15; a positive number);
+  gets a keepalive (Anthropic's ``ping`` event, Responses' ``response.in_progress`` again,
+  an SSE comment for Chat Completions; default 15; a positive number);
+- ``GYRE_PROXY_CELL_WAIT_S``: how long an open stream that has shown no content yet waits
+  for a cell when its cell failed or none is active, before it ends with an overloaded
+  error (default 120; a number >= 0, 0: it ends at once);
 - ``GYRE_ADMIN_TOKEN``: token for ``/admin/*``;
 - ``GYRE_PROXY_KV_MOVER=port`` (exactly ``port``; anything else: HTTP only): when
   evacuating a cell, move each session's KV blocks through the transfer port
@@ -41,7 +44,7 @@ from libs.common.service import ServiceContext
 from .app import create_app
 from .core.routing import Router
 from .queue_metrics import RouterCollector
-from .service import KEEPALIVE_S, RENDER_THREADS, ProxyConfig, ProxyService
+from .service import CELL_WAIT_S, KEEPALIVE_S, RENDER_THREADS, ProxyConfig, ProxyService
 
 log = logging.getLogger(__name__)
 
@@ -72,17 +75,17 @@ def positive_int_env(name: str) -> int | None:
     return value
 
 
-def positive_number_env(name: str) -> float | None:
-    """A positive (finite) number setting, or None when unset or empty."""
+def positive_number_env(name: str, *, zero: bool = False) -> float | None:
+    """A positive (finite) number setting (``zero``: or 0), or None when unset or empty."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return None
     try:
         value = float(raw)
     except ValueError:
-        value = 0.0
-    if not 0 < value < float("inf"):
-        raise ValueError(f"{name}: expected a positive number, got {raw!r}")
+        value = -1.0
+    if not (0 <= value if zero else 0 < value) or value == float("inf"):
+        raise ValueError(f"{name}: expected a {'non-negative' if zero else 'positive'} number, got {raw!r}")
     return value
 
 
@@ -94,7 +97,12 @@ def proxy_config(run_id: str) -> ProxyConfig:
                        default_max_tokens=positive_int_env("GYRE_PROXY_DEFAULT_MAX_TOKENS"),
                        max_context=positive_int_env("GYRE_PROXY_MAX_CONTEXT"),
                        render_threads=positive_int_env("GYRE_PROXY_RENDER_THREADS") or RENDER_THREADS,
-                       keepalive_s=positive_number_env("GYRE_PROXY_KEEPALIVE_S") or KEEPALIVE_S)
+                       keepalive_s=positive_number_env("GYRE_PROXY_KEEPALIVE_S") or KEEPALIVE_S,
+                       cell_wait_s=_or(positive_number_env("GYRE_PROXY_CELL_WAIT_S", zero=True), CELL_WAIT_S))
+
+
+def _or(value: float | None, default: float) -> float:
+    return default if value is None else value
 
 
 def model_folder(model: str) -> str:

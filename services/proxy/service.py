@@ -28,7 +28,8 @@ from libs.common.events.calls import CallTimings, SessionHints, WeightSpan
 from services.engine.params import logprob_temperature
 
 from .api.common import (
-    Accepted, ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, TokenLogprobs, ToolCallDone,
+    Accepted, ApiError, ChatRequest, Finished, GenEvent, StreamState, TextDelta, ThinkingDelta, TokenLogprobs,
+    ToolCallDone,
 )
 from .core.decode import IncrementalDecoder
 from .core.hints import continuation_index, request_kind
@@ -45,6 +46,9 @@ CONTEXT_ASK_TIMEOUT_S = 5.0  # a call waits at most this for a new cell to tell 
 CONTEXT_RETRY_S = 30.0  # a cell that did not tell is asked again after this
 RENDER_THREADS = 2  # threads that render and tokenise off the event loop (see ProxyService.off_loop)
 KEEPALIVE_S = 15.0  # a stream that sent nothing for this long gets a keepalive (see app._sse)
+CELL_WAIT_S = 120.0  # an open stream that has shown nothing waits this long for a cell (ProxyConfig.cell_wait_s)
+CELL_WAIT_PAUSE_S = (0.5, 5.0)  # its pause before trying the cells again: first, and most (doubling)
+CELL_WAIT_POLL_S = 0.25  # how often a waiting call looks for an active cell
 
 T = TypeVar("T")
 
@@ -63,10 +67,17 @@ class ProxyConfig:
     # threads for chat-template rendering and tokenisation (the CPU work that grows with a
     # history), so that the event loop keeps streaming every other session meanwhile
     render_threads: int = RENDER_THREADS
-    # a streamed answer sends a keepalive (Anthropic's ping, an SSE comment for OpenAI's APIs)
-    # whenever nothing went out for this long: Claude Code and Codex give up on a stream
-    # silent for about 5 minutes, and a tool call is only streamed once it is complete
+    # a streamed answer sends its API's keepalive (Anthropic's ping, Responses'
+    # response.in_progress, a Chat Completions SSE comment) whenever nothing went out for
+    # this long: Claude Code and Codex give up on a stream silent for about 5 minutes, and a
+    # tool call is only streamed once it is complete
     keepalive_s: float = KEEPALIVE_S
+    # a streamed call whose stream is open (its grace passed: a failure is no longer an HTTP
+    # error the caller's SDK retries) and which has shown no content yet does not end when
+    # its cell fails or no cell is active: it waits this long for one (keepalives hold the
+    # caller), trying the active cells again with backoff, then ends with an overloaded
+    # error; 0: it ends at once
+    cell_wait_s: float = CELL_WAIT_S
 
 
 @dataclass
@@ -321,13 +332,16 @@ class ProxyService:
 
     # -- serving -----------------------------------------------------------------------
 
-    async def serve(self, rollout_id: str, req: ChatRequest, hints: CallHints) -> AsyncIterator[GenEvent]:
+    async def serve(self, rollout_id: str, req: ChatRequest, hints: CallHints,
+                    stream: StreamState | None = None) -> AsyncIterator[GenEvent]:
+        """The call's events, ``Accepted`` first. ``stream``: a streamed call's state, which
+        the HTTP layer marks ``opened`` (a call waits for a cell only then)."""
         if self.stopping:
             raise ApiError(503, "overloaded", "the proxy is stopping; send the call again")
         self._in_flight += 1
         self._idle.clear()
         try:
-            async with contextlib.aclosing(self._serve(rollout_id, req, hints)) as events:
+            async with contextlib.aclosing(self._serve(rollout_id, req, hints, stream)) as events:
                 async for ev in events:
                     yield ev
         finally:
@@ -335,7 +349,8 @@ class ProxyService:
             if not self._in_flight:
                 self._idle.set()
 
-    async def _serve(self, rollout_id: str, req: ChatRequest, hints: CallHints) -> AsyncIterator[GenEvent]:
+    async def _serve(self, rollout_id: str, req: ChatRequest, hints: CallHints,
+                     stream: StreamState | None = None) -> AsyncIterator[GenEvent]:
         self.resolve_model(req.model)
         st = self.book.state(rollout_id)
         async with st.lock:
@@ -356,7 +371,7 @@ class ProxyService:
         req.max_tokens = max_new
         sampling = req.sampling_params(max_new, self.stop_token_ids)
         call = _Call(call_id, rollout_id, session, plan, input_ids, time.monotonic(), session_hints,
-                     logprob_temperature=logprob_temperature(sampling.get("temperature")))
+                     logprob_temperature=logprob_temperature(sampling.get("temperature")), stream=stream)
         try:
             # accepted: from here on a stream is under way, and errors go in it (app._sse)
             yield Accepted(call_id)
@@ -367,7 +382,9 @@ class ProxyService:
                     await asyncio.shield(self._spawn(self._record(st, call, req, hints, delivered=True)))
                 yield ev
         except CellFailure as exc:
-            raise ApiError(529, "overloaded", f"no inference cell could serve the call: {exc}") from exc
+            waited = "" if call.wait_from is None else \
+                f" (it waited {time.monotonic() - call.wait_from:.0f}s for one)"
+            raise ApiError(529, "overloaded", f"no inference cell could serve the call: {exc}{waited}") from exc
         except CellRejected as exc:
             raise ApiError(400, "invalid_request", f"the inference cell rejected the request: {exc.message}") from exc
         finally:
@@ -422,10 +439,12 @@ class ProxyService:
                 new = self._logprob_entries(piece.ids, piece.logprobs)
                 if new:
                     entries.extend(new)
+                    call.shown = True
                     yield TokenLogprobs(new)
             text = decoder.push(self._visible(piece.ids))
             streamed[0] += text
             for ev in deltas(*parser.feed(cutter.feed(text))):
+                call.shown = True  # content may be on its way to the caller: no waiting for a cell now
                 yield ev
         # the decoder holds back an unfinished character; the whole decode has the rest
         whole = await self.off_loop(self.renderer.decode, self._visible(call.output_ids))
@@ -459,10 +478,13 @@ class ProxyService:
 
     async def _generate(self, call: "_Call", req: ChatRequest, sampling: dict) -> AsyncIterator:
         """``generate``, once more if the cell refused the call for a context length smaller
-        than this proxy knew (it is learnt, and the call fits it or gets "prompt is too long")."""
+        than this proxy knew (it is learnt, and the call fits it or gets "prompt is too long").
+        With no cell left to try, an open stream that has shown nothing waits for one
+        (``_wait_for_cell``)."""
+        again = functools.partial(self._wait_for_cell, call)
         try:
             async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids,
-                                        sampling, call.outcome):
+                                        sampling, call.outcome, again=again):
                 yield piece
             return
         except CellRejected as exc:
@@ -474,8 +496,39 @@ class ProxyService:
                 raise  # not for want of room
         call.outcome = Outcome()
         async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids,
-                                    dict(sampling, max_new_tokens=max_new), call.outcome):
+                                    dict(sampling, max_new_tokens=max_new), call.outcome, again=again):
             yield piece
+
+    async def _wait_for_cell(self, call: "_Call", why: str) -> bool:
+        """``generate``'s ``again``: every cell failed the call, or none is active. A stream
+        that is open (its failure is no longer an HTTP error the caller's SDK would retry)
+        and has shown no content yet waits instead of ending: a pause (doubling from
+        0.5 s, at most 5 s) and then until some cell is active, for at most ``cell_wait_s``
+        in all; meanwhile keepalives hold the caller, and a caller that leaves cancels the
+        wait (the call is aborted and recorded undelivered, as ever). True: try the cells
+        again (still from the tokens already produced, so the record stays exact). False:
+        the call ends (the caller gets the API's overloaded error)."""
+        stream = call.stream
+        limit = self.config.cell_wait_s
+        if stream is None or not stream.opened or call.shown or self.stopping or limit <= 0:
+            return False
+        now = time.monotonic()
+        if call.wait_from is None:
+            call.wait_from = now
+            log.warning("call %s: %s; its stream (nothing shown yet) waits up to %.0fs for a cell", call.call_id,
+                        why, limit)
+        until = call.wait_from + limit
+        pause_until = now + call.wait_pause
+        call.wait_pause = min(call.wait_pause * 2, CELL_WAIT_PAUSE_S[1])
+        while True:
+            now = time.monotonic()
+            if self.stopping or now >= until:
+                log.warning("call %s: no cell took it in %.0fs (%s); it ends overloaded", call.call_id,
+                            now - call.wait_from, "the proxy is stopping" if self.stopping else why)
+                return False
+            if now >= pause_until and any(c.state is CellState.ACTIVE for c in self.router.cells.values()):
+                return True
+            await asyncio.sleep(min(CELL_WAIT_POLL_S, until - now))
 
     def _parse(self, call: "_Call", req: ChatRequest):
         """The reply as the caller sees it: cut before a matched stop sequence (the
@@ -732,6 +785,10 @@ class _Call:
     outcome: Outcome = field(default_factory=Outcome)
     parsed: object | None = None
     committed: bool = False  # its CallRecorded is issued: never record it again
+    stream: StreamState | None = None  # a streamed call's: whether its stream is open
+    shown: bool = False  # content events went to the caller: a failure then no longer waits for a cell
+    wait_from: float | None = None  # when it began to wait for a cell (cell_wait_s from then at most)
+    wait_pause: float = CELL_WAIT_PAUSE_S[0]  # the next pause before the cells are tried again
 
 
     def add(self, ids: list[int], logprobs: list[float], version: int) -> None:

@@ -83,7 +83,9 @@ async def test_anthropic_stream_starts_at_once_and_pings_while_a_tool_call_is_wr
     assert start["message"]["id"] == f"msg_{call.call_id}" and request_id == call.call_id and call.delivered
 
 
-async def test_openai_streams_start_at_once_with_sse_comment_keepalives(proxy) -> None:
+async def test_openai_streams_start_at_once_with_their_keepalives(proxy) -> None:
+    """Chat: SSE comments; Responses: ``response.in_progress`` again (Codex's idle timer
+    counts events, not comments)."""
     slow_tool_call(proxy)
     base = await proxy.rollout("ka-oa")
     async with httpx.AsyncClient(timeout=30) as c:
@@ -103,7 +105,8 @@ async def test_openai_streams_start_at_once_with_sse_comment_keepalives(proxy) -
     assert rs_lines[0] == "event: response.created" and rs_lines[2] == "event: response.in_progress"
     assert json.loads(rs_lines[1][6:])["response"]["id"] == f"resp_{rs_id}"
     added = rs_lines.index("event: response.output_item.added")
-    assert rs_lines[4:added].count(": keepalive") >= 3 and "event: response.completed" in rs_lines
+    assert rs_lines[4:added].count("event: response.in_progress") >= 3 and "event: response.completed" in rs_lines
+    assert ": keepalive" not in rs_lines
     calls = await calls_of(proxy, "ka-oa", 2)
     assert {c.call_id for c in calls} == {chat_id, rs_id}
 
@@ -129,9 +132,11 @@ async def test_the_sdks_read_through_the_keepalives(proxy) -> None:
 
 
 async def test_an_error_after_the_stream_started_ends_it_in_the_apis_format(proxy) -> None:
-    """The only cell fails after the stream opened, before any event: each API's error
-    event (Responses: response.failed with the stream's response), not a broken stream."""
+    """The only cell fails after the stream opened, before any event, and none comes back
+    within ``cell_wait_s``: each API's error event (Responses: response.failed with the
+    stream's response), not a broken stream."""
     slow_tool_call(proxy)
+    proxy.service.config.cell_wait_s = 0.3
     proxy.service.router.drain("cell-b")
     base = await proxy.rollout("ka-err")
     async with httpx.AsyncClient(timeout=30) as c:

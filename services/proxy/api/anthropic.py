@@ -8,7 +8,7 @@ from typing import Any
 
 from ..core.messages import Msg, ToolCall
 from .common import (
-    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect,
+    ApiError, ChatRequest, Finished, GenEvent, Keepalive, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect,
     opt_bool, opt_int, opt_number, stop_list, tool_choice_mode, tool_spec,
 )
 
@@ -157,8 +157,9 @@ def sse(event: str, data: dict[str, Any]) -> str:
 
 
 async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
-    """The message's events; ``message_start`` goes out at once (the call is accepted), and
-    an error after it ends the stream with an ``error`` event."""
+    """The message's events; ``message_start`` goes out at once (the call is accepted), a
+    ``Keepalive`` is a ``ping`` event, and an error after it ends the stream with an
+    ``error`` event."""
     yield sse("message_start", {"type": "message_start", "message": {
         "id": f"msg_{call_id}", "type": "message", "role": "assistant", "model": req.model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": {"input_tokens": 0, "output_tokens": 0}}})
@@ -176,7 +177,9 @@ async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]
 
     try:
         async for ev in events:
-            if isinstance(ev, ThinkingDelta) and ev.text:
+            if isinstance(ev, Keepalive):
+                yield KEEPALIVE
+            elif isinstance(ev, ThinkingDelta) and ev.text:
                 if open_kind != "thinking":
                     for s in open_block("thinking", {"type": "thinking", "thinking": "", "signature": ""}):
                         yield s

@@ -80,6 +80,23 @@ class Accepted:
     call_id: str
 
 
+@dataclass
+class StreamState:
+    """What the HTTP layer tells a streamed call: ``opened`` once the stream's headers and
+    opening events are out (after ``Accepted`` and its grace). Before, a failure is still an
+    HTTP error the caller's SDK retries; after, while no content has gone out, the call
+    waits for a cell instead (``ProxyConfig.cell_wait_s``)."""
+
+    opened: bool = False
+
+
+@dataclass(frozen=True)
+class Keepalive:
+    """Not a generation event: the HTTP layer puts one in a stream's events whenever
+    nothing went out for ``keepalive_s``; each API's ``stream`` answers it with its own
+    keepalive (Anthropic ``ping``, Responses ``response.in_progress``, an SSE comment)."""
+
+
 @dataclass(frozen=True)
 class TokenLogprobs:
     """Output tokens' logprobs in OpenAI's shape (only when the caller asked for them)."""
@@ -118,7 +135,7 @@ class Finished:
     logprobs: tuple[dict[str, Any], ...] | None = None  # every output token's, when asked for
 
 
-GenEvent = Accepted | TextDelta | ThinkingDelta | ToolCallDone | TokenLogprobs | Finished
+GenEvent = Accepted | TextDelta | ThinkingDelta | ToolCallDone | TokenLogprobs | Finished | Keepalive
 
 
 # -- validation helpers -----------------------------------------------------------------

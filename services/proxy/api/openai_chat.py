@@ -9,12 +9,15 @@ from typing import Any
 
 from ..core.messages import Msg, ToolCall
 from .common import (
-    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, TokenLogprobs, ToolCallDone, bad_request,
-    expect, opt_bool, opt_int, opt_number, parse_arguments, stop_list, text_of, tool_choice_mode, tool_spec,
+    ApiError, ChatRequest, Finished, GenEvent, Keepalive, TextDelta, ThinkingDelta, TokenLogprobs, ToolCallDone,
+    bad_request, expect, opt_bool, opt_int, opt_number, parse_arguments, stop_list, text_of, tool_choice_mode,
+    tool_spec,
 )
 
 REQUEST_ID_HEADER = "x-request-id"  # OpenAI's; the SDK exposes it as ``_request_id``
-KEEPALIVE = ": keepalive\n\n"  # an SSE comment: clients skip it, and the connection is not idle
+# a stream's keepalive: an SSE comment, which clients skip (the SDK; no chat client is known
+# to need an event to reset an idle timer)
+KEEPALIVE = ": keepalive\n\n"
 
 FINISH = {"stop": "stop", "stop_sequence": "stop", "length": "length", "tool_calls": "tool_calls", "abort": "stop"}
 ERROR_TYPES = {"invalid_request": "invalid_request_error", "authentication": "authentication_error",
@@ -123,8 +126,9 @@ def _logprobs(req: ChatRequest, entries: Any) -> dict[str, Any] | None:
 
 
 async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]) -> AsyncIterator[str]:
-    """Chunks; the role chunk goes out at once (the call is accepted). With ``logprobs``,
-    the tokens' entries ride on the next chunk that goes out after they were generated."""
+    """Chunks; the role chunk goes out at once (the call is accepted), a ``Keepalive`` is
+    an SSE comment. With ``logprobs``, the tokens' entries ride on the next chunk that goes
+    out after they were generated."""
     cid, created = f"chatcmpl-{call_id}", int(time.time())
     pending: list[dict[str, Any]] = []  # logprob entries not sent yet
 
@@ -138,7 +142,9 @@ async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]
     yield chunk({"role": "assistant", "content": ""})
     try:
         async for ev in events:
-            if isinstance(ev, TokenLogprobs):
+            if isinstance(ev, Keepalive):
+                yield KEEPALIVE
+            elif isinstance(ev, TokenLogprobs):
                 pending.extend(ev.entries)
             elif isinstance(ev, TextDelta) and ev.text:
                 yield chunk({"content": ev.text})

@@ -11,13 +11,12 @@ from typing import Any
 from ..core.messages import Msg, ToolCall
 from . import openai_chat
 from .common import (
-    ApiError, ChatRequest, Finished, GenEvent, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect, opt_bool,
-    opt_int, opt_number, parse_arguments, text_of, tool_choice_mode, tool_spec,
+    ApiError, ChatRequest, Finished, GenEvent, Keepalive, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect,
+    opt_bool, opt_int, opt_number, parse_arguments, text_of, tool_choice_mode, tool_spec,
 )
 
 error_body = openai_chat.error_body
 REQUEST_ID_HEADER = openai_chat.REQUEST_ID_HEADER
-KEEPALIVE = openai_chat.KEEPALIVE
 
 
 def parse(body: Any) -> ChatRequest:
@@ -134,7 +133,10 @@ async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]
     streamed and sends them back as the assistant's turn: a message after a call would come
     back as a second assistant message, not the recorded reply. ``response.completed``
     lists exactly the items streamed. ``response.created`` and ``response.in_progress`` go
-    out at once (the call is accepted); an error after them ends the stream with
+    out at once (the call is accepted); a ``Keepalive`` sends ``response.in_progress``
+    again (the response as it began, the next ``sequence_number``): an event, not an SSE
+    comment, as Codex's idle timer counts events only (its SSE reader drops comments) and
+    the SDK takes a repeated one in its stride. An error after them ends the stream with
     ``response.failed``, as OpenAI's does (the SDK and Codex read ``response.error``)."""
     rid = f"resp_{call_id}"
     seq = 0
@@ -192,7 +194,9 @@ async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]
 
     try:
         async for e in events:
-            if isinstance(e, (ThinkingDelta, TextDelta)) and e.text:
+            if isinstance(e, Keepalive):
+                yield ev("response.in_progress", {"response": base})
+            elif isinstance(e, (ThinkingDelta, TextDelta)) and e.text:
                 kind = "reasoning" if isinstance(e, ThinkingDelta) else "text"
                 if open_item is None or open_item["kind"] != kind:
                     for s in open_(kind):
