@@ -21,7 +21,6 @@ import pytest
 
 from libs.common.events import RolloutScored, RolloutScoringFailed
 from services.evaluator.adapters import sandbox as sb
-from services.evaluator.adapters import workspace
 from services.evaluator.adapters.sandbox import SandboxUnavailable
 from services.evaluator.core.results import parse_outcome_lines
 from services.evaluator.core.scoring import SandboxRun, score_tests
@@ -79,14 +78,16 @@ async def test_a_plugin_a_dist_info_in_the_workspace_declares_is_not_loaded(make
     assert isinstance(ev, RolloutScored) and ev.score == 0.25, ev.reason
 
 
-async def test_a_workspace_module_named_like_one_pytest_imports_while_starting_is_not_used(make_harness):
-    """pytest imports pdb, unittest, difflib... lazily as it starts; the workspace is not on
-    sys.path until collection, so such a module of the agent's never runs before the session."""
+async def test_a_workspace_module_named_like_one_pytest_imports_is_the_agents_doing(make_harness):
+    """pytest imports pdb, unittest, difflib... lazily; the workspace goes on sys.path once
+    the session began (before the hidden conftest.py loads), so such a module of the
+    agent's that ends the run is the agent's code like any other: the rollout scores 0,
+    it is not dropped from training as a run that never started."""
     h = await make_harness()
     hijack = "import os\nos._exit(3)\n"
     ev = await h.score(calc_spec(), tar_of({"calc.py": CALC_PARTIAL, "pdb.py": hijack, "difflib.py": hijack,
                                            "unittest.py": hijack, "readline.py": hijack}))
-    assert isinstance(ev, RolloutScored) and ev.score == 0.25, ev.reason
+    assert isinstance(ev, RolloutScored) and ev.score == 0.0, ev.reason
 
 
 # -- item 1: forged results -------------------------------------------------------------
@@ -244,23 +245,22 @@ async def test_ending_the_process_in_a_test_does_not_hide_the_tests_after_it(mak
 
 # -- items 4 and 5: runs that never started ---------------------------------------------
 
-@pytest.mark.parametrize("how", ["usage error", "unshare fails", "set-up failure", "no such program"])
+# (A usage error in Gyre's own pytest options comes after the session line, which is written
+# before the hidden conftest.py loads, as the agent's code may run from there: such a Gyre bug
+# scores the rollouts 0, visibly, rather than being told apart from the agent's doing.)
+@pytest.mark.parametrize("how", ["unshare fails", "set-up failure", "no such program"])
 async def test_a_run_that_never_started_is_retried_and_fails_on_the_last_delivery(make_harness, monkeypatch, how):
     h = await make_harness()
-    if how == "usage error":  # pytest stops before its session (exit status 4)
-        real = workspace.pytest_argv
-        monkeypatch.setattr(workspace, "pytest_argv", lambda *a: [*real(*a), "--no-such-option"])
-    else:
-        real_command = sb.Sandbox._command
-        fail = {"unshare fails": ["/bin/sh", "-c", "echo 'unshare: unshare failed: No space left on device' >&2; "
-                                                   "exit 1"],
-                "set-up failure": ["/bin/sh", "-c", "echo 'gyre-sandbox: cannot protect /tmp' >&2; exit 97"],
-                "no such program": ["/nonexistent/gyre-no-such-program"]}[how]
+    real_command = sb.Sandbox._command
+    fail = {"unshare fails": ["/bin/sh", "-c", "echo 'unshare: unshare failed: No space left on device' >&2; "
+                                               "exit 1"],
+            "set-up failure": ["/bin/sh", "-c", "echo 'gyre-sandbox: cannot protect /tmp' >&2; exit 97"],
+            "no such program": ["/nonexistent/gyre-no-such-program"]}[how]
 
-        def failing(self, argv, workdir, uid, **kw):
-            return fail if "pytest" in " ".join(argv) else real_command(self, argv, workdir, uid, **kw)
+    def failing(self, argv, workdir, uid, **kw):
+        return fail if "pytest" in " ".join(argv) else real_command(self, argv, workdir, uid, **kw)
 
-        monkeypatch.setattr(sb.Sandbox, "_command", failing)
+    monkeypatch.setattr(sb.Sandbox, "_command", failing)
     ended = await h.rollout(calc_spec(), tar_of({"calc.py": CALC_OK}))
     with pytest.raises(TransientError, match="the tests never ran"):
         await h.evaluator.evaluate(ended, may_retry=True)

@@ -14,9 +14,13 @@ runs in this process, though, and can still find and write to it: the evaluator'
 (``core/results.py``) keeps the first record of each test and treats a test reported
 twice, a record out of its place or anything after ``finish`` as tampering.
 
-The workspace goes on ``sys.path`` only when collection starts, after the ``session``
-line: nothing of the agent's is imported before it (pytest imports stdlib modules such as
-``pdb`` lazily while it starts; a workspace module of that name must not stand in).
+The workspace goes on ``sys.path`` once pytest has read its options, just before it loads
+the hidden folder's ``conftest.py`` (which may import the agent's modules), after the
+``session`` line: nothing of the agent's is imported before it, and the modules pytest
+imports while it parses its arguments come from the standard library. Auto-loaded plugins
+are off; the few third-party ones hidden tests may rely on (async tests) are named with
+``-p`` by ``plugin_args`` when installed. Only this process writes (a test that forks
+leaves the descriptor to its child unused).
 
 With ``GYRE_PER_TEST_S`` set, each test's call phase has that many seconds (SIGALRM):
 a test that hangs in Python code fails with ``TestTimeout`` and the run goes on.
@@ -47,6 +51,10 @@ _state: dict[str, str] = {}
 _msgs: dict[str, str] = {}
 _workspace: str | None = None
 _finished = False
+_begun = False
+# a forked child (a test's own fork) inherits the descriptor: only this process writes
+_PID = os.getpid()
+ALLOWED_PLUGINS = ("pytest_asyncio.plugin", "anyio.pytest_plugin")
 
 
 def _take_channel() -> int | None:
@@ -71,7 +79,7 @@ def set_workspace(path: str) -> None:
 
 
 def _write(record: dict) -> None:
-    if _fd is None or _finished:
+    if _fd is None or _finished or os.getpid() != _PID:
         return
     data = (json.dumps(record) + "\n").encode()
     try:
@@ -95,15 +103,47 @@ class TestTimeout(Exception):
     __test__ = False
 
 
+def _begin() -> None:
+    """The ``session`` line, then the workspace on ``sys.path`` (once)."""
+    global _begun
+    if _begun:
+        return
+    _begun = True
+    _write({"e": "session"})
+    if _workspace and _workspace not in sys.path:
+        sys.path.insert(0, _workspace)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config, parser, args):
+    # before the hidden folder's conftest.py is loaded (it may import the agent's modules)
+    _begin()
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionstart(session):
-    _write({"e": "session"})
+    _begin()
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection(session):
-    if _workspace and _workspace not in sys.path:
-        sys.path.insert(0, _workspace)
+    _begin()
+
+
+def plugin_args() -> list[str]:
+    """``-p`` options for the third-party plugins hidden tests may rely on (async tests),
+    those importable here: auto-loading is off, so a workspace cannot bring its own.
+    Called by the boot line before the workspace is on ``sys.path``."""
+    import importlib
+
+    args: list[str] = []
+    for name in ALLOWED_PLUGINS:
+        try:
+            importlib.import_module(name)
+        except Exception:  # not installed (or broken): tests that need it fail as they would
+            continue
+        args += ["-p", name]
+    return args
 
 
 def pytest_collection_finish(session):

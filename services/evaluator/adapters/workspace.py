@@ -91,13 +91,14 @@ def _remove_entry(dir_fd: int, name: str, path: Path) -> None:
 
 
 # pytest is imported in isolated mode (-I: no PYTHONPATH, no current folder) before the
-# control folder goes on sys.path, and Gyre's plugin from there; the workspace goes on
-# sys.path only when collection starts (the plugin puts it first then), after the
-# plugin's "session" line. So a pytest.py, _pytest/ or a module named like one that pytest
-# imports while it starts (pdb, unittest, difflib, ...) in the workspace is never used by
-# the runner, and none of the agent's code runs before the session began.
+# control folder goes on sys.path, and Gyre's plugin from there (with -p for the allowed
+# third-party plugins it finds installed); the workspace goes on sys.path only once pytest
+# has parsed its options, before the hidden conftest.py loads (the plugin puts it first
+# then), after the plugin's "session" line. So a pytest.py, _pytest/ or a module named like
+# one pytest imports while it parses (argparse, ...) in the workspace is never used by the
+# runner, and none of the agent's code runs before the session began.
 _BOOT = ("import sys, pytest; sys.path.insert(0, sys.argv[1]); import " + PLUGIN_MODULE + " as p; "
-         "p.set_workspace(sys.argv[2]); sys.exit(pytest.main(sys.argv[3:]))")
+         "p.set_workspace(sys.argv[2]); sys.exit(pytest.main(p.plugin_args() + sys.argv[3:]))")
 
 
 def pytest_argv(python: str, workdir: Path) -> list[str]:
