@@ -24,7 +24,6 @@ start with an error that names its variable.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import tempfile
 from collections.abc import Mapping
@@ -35,6 +34,7 @@ from fastapi import HTTPException
 from pydantic import BaseModel, Field
 
 from libs.common.bus.port import BlobStore, EventBus
+from libs.common.options import number_option
 from libs.common.service import ServiceContext, ServiceSpec
 
 from .harness import PRESETS
@@ -61,29 +61,13 @@ def _name(option: str) -> str:
 
 
 def _max_turns(options: dict[str, Any]) -> int:
-    value = options.get("max_turns")
-    if value is None or value == "":
-        return 40
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        n = 0
-    if isinstance(value, bool) or n < 1:
-        raise ValueError(f"runner: {_name('max_turns')} must be an integer >= 1, not {value!r}")
-    return n
+    return number_option(options, "max_turns", default=40, integer=True, minimum=1,
+                         label=f"runner: {_name('max_turns')}", must_be="an integer >= 1")
 
 
 def _time_limit_scale(options: dict[str, Any]) -> float:
-    value = options.get("time_limit_scale")
-    if value is None or value == "":
-        return 1.0
-    try:
-        x = float(value)
-    except (TypeError, ValueError):
-        x = math.nan
-    if isinstance(value, bool) or not (math.isfinite(x) and x > 0):
-        raise ValueError(f"runner: {_name('time_limit_scale')} must be a finite number > 0, not {value!r}")
-    return x
+    return number_option(options, "time_limit_scale", default=1.0, above=0,
+                         label=f"runner: {_name('time_limit_scale')}", must_be="a finite number > 0")
 
 
 def _keep_workspaces(options: dict[str, Any]) -> bool:

@@ -30,11 +30,11 @@ that names its variable.
 from __future__ import annotations
 
 import asyncio
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from libs.common.options import number_option
 from libs.common.service import ServiceContext, ServiceSpec
 
 from .attention import AttentionConfig
@@ -101,17 +101,9 @@ def keep_weights(options: dict[str, Any]) -> int | None:
 
 def max_grad_norm(options: dict[str, Any]) -> float:
     """The ``max_grad_norm`` option: the gradient norm an update is clipped to (0: no clipping)."""
-    value = options.get("max_grad_norm")
-    if value is None or value == "":
-        return 1.0
-    try:
-        norm = float(value)
-    except (TypeError, ValueError):
-        norm = math.nan
-    if isinstance(value, bool) or not (math.isfinite(norm) and norm >= 0):
-        raise ValueError(f"max_grad_norm (GYRE_TRAINER_MAX_GRAD_NORM) must be a finite number >= 0 "
-                         f"(0: no clipping), not {value!r}")
-    return norm
+    return number_option(options, "max_grad_norm", default=1.0, minimum=0,
+                         label="max_grad_norm (GYRE_TRAINER_MAX_GRAD_NORM)",
+                         must_be="a finite number >= 0 (0: no clipping)")
 
 
 def attention_mode(options: dict[str, Any]) -> str:
