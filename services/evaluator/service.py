@@ -354,6 +354,7 @@ class Evaluator:
         they never ran (not the rollout's fault) and _AgentsDoing when the workspace kept
         them from starting (over the task's disk limit before pytest's session began)."""
         control = await asyncio.to_thread(workspace.prepare, workdir, spec)
+        hidden_id = await asyncio.to_thread(workspace.hidden_identity, workdir)
         env = workspace.sandbox_env(workdir, control)
         if spec.limits.per_test_s:
             env["GYRE_PER_TEST_S"] = f"{spec.limits.per_test_s:g}"
@@ -383,6 +384,9 @@ class Evaluator:
                 raise _RunNotStarted(f"pytest's session never began ({why}): {tail}")
         else:
             report = await asyncio.to_thread(self._read_report, spec, workdir)
+        changed = await asyncio.to_thread(workspace.hidden_changes, workdir, spec, hidden_id)
+        if changed:  # only the agent's code runs there besides the tests: the run is not scored
+            report = replace(report, tampering=(*report.tampering, *changed))
         return score_tests(spec, report, run), run.isolation
 
     def _read_report(self, spec: TaskEvaluatorSpec, workdir: Path) -> TestReport:

@@ -155,9 +155,14 @@ async def test_a_judge_does_not_lift_a_tampered_rollout(make_harness):
     assert isinstance(ev, RolloutScored) and ev.score == 0.0 and "judge" not in ev.components
 
 
-async def test_the_hidden_tests_cannot_be_rewritten_or_swapped_before_they_are_collected(make_harness):
-    h = await make_harness()
-    _require_namespaces(h)
+@pytest.mark.parametrize("mode", ["namespaces", "uid"])
+async def test_the_hidden_tests_cannot_be_rewritten_or_swapped_before_they_are_collected(make_harness, mode):
+    """namespaces: bound read-only; uid: the evaluator's, in a sticky workspace root."""
+    if os.geteuid() != 0:
+        pytest.skip(f"{mode} mode needs root")
+    h = await make_harness(isolation=mode)
+    if mode == "namespaces":
+        _require_namespaces(h)
     hidden = {
         "test_a.py": b"from calc import add\ndef test_add():\n    assert add(2, 3) == 5\n",
         "test_b.py": b"from calc import mul, div\ndef test_mul():\n    assert mul(2, 3) == 6\n"
@@ -186,6 +191,28 @@ async def test_the_hidden_tests_cannot_be_rewritten_or_swapped_before_they_are_c
     assert isinstance(ev, RolloutScored) and ev.score == 0.25, ev.reason
     assert outcomes(ev) == {"test_a.py::test_add": "passed", "test_b.py::test_mul": "failed",
                             "test_b.py::test_div": "failed"}
+
+
+async def test_hidden_tests_changed_where_nothing_protects_them_score_0(make_harness):
+    """``none`` mode (not root: the tests run as the evaluator's user) cannot keep the code
+    from rewriting a hidden test file before pytest collects it; the check after the run
+    sees it and the rollout scores 0, passing tests and all."""
+    h = await make_harness(isolation="none")
+    hidden = {
+        "test_a.py": b"from calc import add\ndef test_add():\n    assert add(2, 3) == 5\n",
+        "test_b.py": b"from calc import mul\ndef test_mul():\n    assert mul(2, 3) == 6\n",
+    }
+    calc = CALC_PARTIAL + dedent_bytes("""
+        import os
+        if os.path.exists("_gyre_hidden/test_b.py"):
+            open("_gyre_hidden/test_b.py", "w").write("def test_mul():\\n    pass\\n")
+    """).decode()
+    spec = calc_spec("rewrite", hidden_files=hidden, weights={"test_a.py::test_add": 1.0, "test_b.py::test_mul": 1.0})
+    ev = await h.score(spec, tar_of({"calc.py": calc}))
+    assert isinstance(ev, RolloutScored) and ev.score == 0.0, ev.reason
+    assert "_gyre_hidden/test_b.py was changed" in ev.reason, ev.reason
+    honest = await h.score(spec, tar_of({"calc.py": CALC_PARTIAL}))
+    assert isinstance(honest, RolloutScored) and honest.score == 0.5, honest.reason
 
 
 def test_the_parser_keeps_the_first_record_and_names_what_no_honest_run_writes():

@@ -153,7 +153,8 @@ class Sandbox:
 
         ``readonly``: folders in ``workdir`` (relative names) that stay the evaluator's,
         readable but not writable by the sandbox (in ``namespaces`` mode also bound
-        read-only, so they cannot be renamed or replaced either). ``results_var``: the
+        read-only, in ``uid`` mode in a workspace root the sandbox may not rename them in,
+        so they cannot be renamed or replaced either). ``results_var``: the
         command gets the write end of a pipe, its descriptor number in that environment
         variable; what it writes there (the first ``results_cap`` bytes) comes back in
         ``SandboxRun.results``."""
@@ -197,7 +198,7 @@ class Sandbox:
     def _execute_once(self, argv: list[str], workdir: Path, uid: int, env: dict[str, str], limits: Limits,
                       readonly: tuple[str, ...], results_var: str | None, results_cap: int) -> SandboxRun:
         if self.mode != "none":
-            _give_tree(workdir, uid, readonly)
+            _give_tree(workdir, uid, readonly, keep_root=self.mode == "uid" and bool(readonly))
         started = time.monotonic()  # after the hand-over: a workspace of many files costs no test time
         read_fd = write_fd = None
         if results_var:
@@ -391,11 +392,21 @@ def _kill_uid(uid: int) -> None:
         log.error("sandbox: could not kill the processes of uid %d: %r", uid, exc)
 
 
-def _give_tree(root: Path, uid: int, keep: Sequence[str] = ()) -> None:
+def _give_tree(root: Path, uid: int, keep: Sequence[str] = (), *, keep_root: bool = False) -> None:
     """Hand ``root`` and what it holds to ``uid``, except the folders ``keep`` names
-    (relative to ``root``): those stay the evaluator's, readable by all (``_open_up``)."""
+    (relative to ``root``): those stay the evaluator's, readable by all (``_open_up``).
+
+    ``keep_root`` (``uid`` mode, where no read-only bind protects the kept folders): ``root``
+    itself stays the evaluator's, its group the sandbox's (``setpriv --regid=uid``), mode
+    1770. The sandbox uid creates, changes and deletes its own entries there as before, but
+    the sticky bit keeps it from renaming or deleting entries it does not own: the kept
+    folders cannot be moved aside and replaced by folders of its own."""
     kept = {os.path.join(root, k) for k in keep}
-    os.lchown(root, uid, uid)
+    if keep_root:
+        os.lchown(root, os.geteuid(), uid)
+        os.chmod(root, 0o1770)
+    else:
+        os.lchown(root, uid, uid)
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if os.path.join(dirpath, d) not in kept]
         for name in dirnames + filenames:

@@ -49,6 +49,60 @@ def prepare(workdir: Path, spec: TaskEvaluatorSpec) -> Path:
     return control
 
 
+def hidden_identity(workdir: Path) -> tuple[int, int]:
+    """The hidden folder as the file system knows it (device, inode), taken after ``prepare``."""
+    st = os.lstat(workdir / HIDDEN_DIR)
+    return st.st_dev, st.st_ino
+
+
+def hidden_changes(workdir: Path, spec: TaskEvaluatorSpec, identity: tuple[int, int]) -> list[str]:
+    """What became of the hidden tests during the run, empty when nothing: the folder moved
+    or replaced, a file of the task's changed, gone, or turned into a link or folder.
+
+    A check after the fact (``none`` mode protects nothing while the tests run; the other
+    modes keep the folder from being changed or moved): a folder moved aside and put back
+    with its files as they were is not seen. Nothing is followed: links are read as links.
+    """
+    hidden = workdir / HIDDEN_DIR
+    try:
+        st = os.lstat(hidden)
+    except OSError:
+        return [f"{HIDDEN_DIR}/ is gone"]
+    if not stat.S_ISDIR(st.st_mode) or (st.st_dev, st.st_ino) != identity:
+        return [f"{HIDDEN_DIR}/ was moved or replaced"]
+    changed: list[str] = []
+    expected = dict(spec.hidden_files)
+    if spec.uses_pytest and "pytest.ini" not in expected:
+        expected["pytest.ini"] = b"[pytest]\n"
+    for name, data in sorted(expected.items()):
+        if _raw(hidden, name, len(data) + 1) != data:
+            changed.append(f"{HIDDEN_DIR}/{name} was changed")
+        if len(changed) >= 5:
+            break
+    return changed
+
+
+def _raw(root: Path, rel: str, cap: int) -> bytes | None:
+    """``rel``'s first ``cap`` bytes, no link followed on the way (None if not a plain file)."""
+    fd = None
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        for part in Path(rel).parts[:-1]:
+            nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nxt
+        file_fd = os.open(Path(rel).name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:
+        return None
+    finally:
+        if fd is not None:
+            os.close(fd)
+    with os.fdopen(file_fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(cap)
+
+
 def clear_result_path(root: Path, rel: str) -> None:
     """Remove whatever the agent left at ``rel`` (a result file the test command is to write).
 
