@@ -19,18 +19,27 @@ command-line options for them: it reads environment variables, ``GYRE_PROXY_URL`
 ``RUNNER_ENV``), and ``GYRE_RUNNER_MAX_TURNS``, ``GYRE_RUNNER_TIME_LIMIT_SCALE`` and
 ``GYRE_RUNNER_KEEP_WORKSPACES`` (``ENV`` below). A malformed value stops the service at
 start with an error that names its variable.
+
+While the bus refuses a rollout's event (the runner keeps trying: ``runner.py``,
+``RolloutRunner._publish``) ``/health`` says ``degraded`` with ``waiting_for_bus``, and
+``/metrics`` has ``gyre_runner_rollouts_waiting_for_bus`` and
+``gyre_runner_publish_failures_total``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 from fastapi import HTTPException
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
 from pydantic import BaseModel, Field
 
 from libs.common.bus.port import BlobStore, EventBus
@@ -99,6 +108,28 @@ def create_runner(config: RunnerConfig, *, bus: EventBus, blobs: BlobStore) -> R
     return RolloutRunner(config, bus=bus, blobs=blobs)
 
 
+class RunnerCollector(Collector):
+    """The runner's figures, read at scrape time."""
+
+    def __init__(self, runner: RolloutRunner) -> None:
+        self.runner = runner
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        waiting = GaugeMetricFamily("gyre_runner_rollouts_waiting_for_bus",
+                                    "rollouts whose RolloutStarted or ended event the bus refuses now (tried again)")
+        waiting.add_metric([], len(self.runner.waiting_for_bus))
+        failures = CounterMetricFamily("gyre_runner_publish_failures", "publishes of rollout events the bus refused")
+        failures.add_metric([], self.runner.publish_failures)
+        yield from (waiting, failures)
+
+
+def show_health(ctx: ServiceContext, runner: RolloutRunner) -> None:
+    """``degraded`` while the bus refuses a rollout's event, ``ok`` otherwise."""
+    waiting = len(runner.waiting_for_bus)
+    ctx.health.detail["waiting_for_bus"] = waiting
+    ctx.health.status = "degraded" if waiting else "ok"
+
+
 class RunStepRequest(BaseModel):
     step: int = Field(ge=0)
     task_ids: list[str] = Field(min_length=1)
@@ -122,8 +153,12 @@ async def runner_main(ctx: ServiceContext) -> None:
         outcomes = await runner.run_step(body.step, chosen, body.group_size, weight_version=body.weight_version)
         return {"outcomes": [dataclasses.asdict(o) for o in outcomes]}
 
+    ctx.registry.register(RunnerCollector(runner))
     ctx.health.ok(run_id=config.run_id, harness=config.harness.name, tasks=len(tasks))
-    await ctx.stop.wait()
+    while not ctx.stop.is_set():
+        show_health(ctx, runner)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(ctx.stop.wait(), 1.0)
 
 
 SPEC = ServiceSpec("runner", runner_main,

@@ -5,6 +5,8 @@ prepare the workspace, publish ``RolloutStarted`` (so the proxy accepts the roll
 key) *before* the harness starts, run the harness under the task's time limit (on
 timeout its whole process group is killed: the rollout is partial, not failed), snapshot
 the workspace into the blob store, publish ``RolloutFinished`` / ``RolloutTimedOut``.
+A publish the bus refuses is tried again until it is taken or the runner stops: a
+rollout missing from the log would hold its group and its training step for good.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from libs.common.bus.port import BlobStore, EventBus
+from libs.common.events import Event, RolloutStarted
 
 from . import core
 from .adapters import workspace
@@ -59,9 +62,12 @@ class RunnerConfig:
     time_limit_scale: float = 1.0  # multiplies each task's time limit
     keep_workspaces: bool = False
     snapshot_max_bytes: int = 256 * 2**20
-    io_attempts: int = 5  # tries for each blob-store put and bus publish
+    # Tries of a blob-store put before the snapshot is given up (the rollout still ends). A
+    # publish is never given up while the runner runs (see RolloutRunner._publish): after
+    # io_attempts tries it logs an error and goes on trying.
+    io_attempts: int = 5
     io_backoff_s: float = 0.5  # wait before the second try; doubled for each further one
-
+    io_backoff_max_s: float = 30.0  # ... up to this; also the wait of a publish past io_attempts when io_backoff_s is 0
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.time_limit_scale) and self.time_limit_scale > 0):
@@ -69,10 +75,8 @@ class RunnerConfig:
         if self.io_attempts < 1 or not self.io_backoff_s >= 0:
             raise ValueError(f"io_attempts must be >= 1 and io_backoff_s >= 0, got {self.io_attempts}, "
                              f"{self.io_backoff_s}")
-
-
-class RolloutLost(RuntimeError):
-    """The bus would not take a rollout's event, even after retries."""
+        if not (math.isfinite(self.io_backoff_max_s) and self.io_backoff_max_s > 0):
+            raise ValueError(f"io_backoff_max_s must be a finite number > 0, not {self.io_backoff_max_s!r}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,11 @@ class RolloutRunner:
         self.clock = clock
         self._slots = asyncio.Semaphore(config.max_parallel)
         self.running: dict[str, core.RolloutState] = {}
+        # rollout -> the type of its event the bus refuses now (cleared once taken, or on a
+        # stop); publish_failures counts refused tries since start. The served runner shows
+        # both in /metrics and /health (main.py).
+        self.waiting_for_bus: dict[str, str] = {}
+        self.publish_failures = 0
 
     async def run_step(self, step: int, tasks: list[Task], group_size: int, *, weight_version: int = 0,
                        harness: HarnessConfig | None = None, purpose: str = "train",
@@ -135,8 +144,8 @@ class RolloutRunner:
                 return _outcome(state, workspace.log_tail(dirs))
             finally:
                 self.running.pop(rollout_id, None)
-                # also after RolloutLost or a cancel: nothing reads a workspace once its
-                # snapshot is taken (or given up on)
+                # also after a cancel: nothing reads a workspace once its snapshot is
+                # taken (or given up on)
                 if not self.config.keep_workspaces:
                     await asyncio.to_thread(workspace.remove, dirs)
 
@@ -146,12 +155,7 @@ class RolloutRunner:
         self.running[state.plan.rollout_id] = new
         for effect in effects:
             if isinstance(effect, core.Publish):
-                event = effect.event  # its id is derived from the rollout id: a retry is de-duplicated
-                what = f"publishing {event.TYPE} of rollout {state.plan.rollout_id}"
-                try:
-                    await self._retry(what, lambda: self.bus.publish(event))
-                except Exception as exc:
-                    raise RolloutLost(f"{what} failed {self.config.io_attempts} times: {exc!r}") from exc
+                await self._publish(state.plan, effect.event)
             elif isinstance(effect, core.KillGroup) and proc is not None:
                 status = await proc.kill_group(self.config.kill_grace_s)
                 new = core.evolve(new, core.Exited(status, self.clock()))
@@ -236,22 +240,76 @@ class RolloutRunner:
         with contextlib.suppress(OSError), dirs.log_file.open("a") as f:
             f.write(f"gyre runner: {text}\n")
 
-    async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
-        """``attempt()``, tried up to ``io_attempts`` times with a doubling backoff; the last
-        failure is raised."""
-        delay = self.config.io_backoff_s
-        for n in range(1, self.config.io_attempts + 1):
+    async def _publish(self, plan: core.RolloutPlan, event: Event) -> None:
+        """Publishes one of the rollout's events, however long the bus refuses it.
+
+        The log is the only way the rollout's group learns of it: the trajectory service
+        settles a group once as many rollouts are sealed as ``RolloutStarted.group_size``
+        states, and the trainer's step waits for the group. A start or end given up on would
+        hold both for good, so past ``io_attempts`` the runner logs an error and keeps
+        trying (backoff up to ``io_backoff_max_s``) while it runs; the event's id is fixed
+        per rollout, so a try whose ack was lost is de-duplicated. A stop (cancel) ends the
+        wait, logged with what it leaves incomplete."""
+        rollout, group = plan.rollout_id, plan.group_id
+        if isinstance(event, RolloutStarted):
+            members = f"all {plan.group_size} of its rollouts" if plan.group_size else "it"
+            stuck = (f"rollout {rollout} is not started yet: the runner keeps trying (every "
+                     f"{self.config.io_backoff_max_s:g} s at most) while it runs, since its group {group} waits "
+                     f"for {members}")
+            left = "the rollout was never started"
+        else:
+            stuck = (f"rollout {rollout} has ended; the runner keeps trying (every {self.config.io_backoff_max_s:g} s "
+                     f"at most) while it runs, since its group {group} waits for its end")
+            left = "its end is not in the log"
+        began = self.clock()
+
+        def refused() -> None:
+            self.waiting_for_bus[rollout] = event.TYPE
+            self.publish_failures += 1
+
+        try:
+            await self._retry(f"publishing {event.TYPE} of rollout {rollout}", lambda: self.bus.publish(event),
+                              on_failure=refused, keep_trying=stuck)
+        except asyncio.CancelledError:
+            if rollout in self.waiting_for_bus:
+                log.error("rollout %s: stopped while the bus refused its %s (for %.1f s): %s; group %s will not "
+                          "complete unless its step is run again", rollout, event.TYPE, self.clock() - began, left,
+                          group)
+            raise
+        finally:
+            waited = self.waiting_for_bus.pop(rollout, None)
+        if waited is not None:
+            log.warning("the bus took %s of rollout %s after refusing it for %.1f s", event.TYPE, rollout,
+                        self.clock() - began)
+
+    async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]], *,
+                     on_failure: Callable[[], None] = lambda: None, keep_trying: str | None = None) -> T:
+        """``attempt()``, tried up to ``io_attempts`` times with a doubling backoff (at most
+        ``io_backoff_max_s``); the last failure is raised. With ``keep_trying`` (why) it is
+        logged as an error with that reason instead, and the tries go on until one succeeds
+        or the caller is cancelled."""
+        attempts, cap = self.config.io_attempts, self.config.io_backoff_max_s
+        delay = min(self.config.io_backoff_s, cap)
+        n = 0
+        while True:
+            n += 1
             try:
                 return await attempt()
             except Exception as exc:
-                if n >= self.config.io_attempts:
+                on_failure()
+                if n < attempts:
+                    log.warning("%s failed (try %d of %d, again in %.3g s): %r", what, n, attempts, delay, exc)
+                elif keep_trying is None:
                     log.error("%s failed %d times, giving up: %r", what, n, exc)
                     raise
-                log.warning("%s failed (try %d of %d, again in %.1f s): %r", what, n, self.config.io_attempts,
-                            delay, exc)
+                else:
+                    delay = delay or cap  # no backoff asked for (tests): still no busy loop on a bus that stays down
+                    if n == attempts:
+                        log.error("%s failed %d times (%r); %s", what, n, exc, keep_trying)
+                    else:
+                        log.warning("%s still failing (try %d, again in %.3g s): %r", what, n, delay, exc)
             await asyncio.sleep(delay)
-            delay *= 2
-        raise AssertionError("unreachable")
+            delay = min(delay * 2, cap)
 
 
 def refused_snapshot(reason: str) -> bytes:
