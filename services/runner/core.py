@@ -13,7 +13,10 @@ A harness that exits first goes RUNNING -> SNAPSHOTTING (finished) instead; whic
 exit and deadline comes first decides finished vs timed out. A harness that cannot be
 started still ends (``LaunchFailed``): its workspace is snapshotted and the rollout is
 reported finished with exit status 127, so the evaluator scores what is there and the
-group stays complete.
+group stays complete. A rollout the runner itself fails on (``Failed``: its workspace could
+not be prepared, an unexpected error while carrying out an effect) ends from whatever phase
+it is in, with no snapshot (so its scoring fails and its group settles without it) and exit
+status 127 unless the harness's own is known; one not yet registered is registered first.
 """
 
 from __future__ import annotations
@@ -98,7 +101,14 @@ class Snapshotted:
     now: float
 
 
-Command = Register | Launched | LaunchFailed | Exited | DeadlinePassed | Snapshotted
+@dataclass(frozen=True)
+class Failed:
+    """The runner failed on the rollout (not the harness's doing): end it as it stands."""
+    now: float
+    reason: str
+
+
+Command = Register | Launched | LaunchFailed | Exited | DeadlinePassed | Snapshotted | Failed
 
 
 # -- effects (what the adapters must do) --------------------------------------------
@@ -139,6 +149,9 @@ def decide(state: RolloutState, command: Command) -> list[Effect]:
         return [KillGroup(), TakeSnapshot()]
     if isinstance(command, Snapshotted) and phase is Phase.SNAPSHOTTING:
         return [Publish(ended_event(evolve(state, command)))]
+    if isinstance(command, Failed) and phase is not Phase.ENDED:
+        ended = Publish(ended_event(evolve(state, command)))
+        return [Publish(started_event(state.plan)), ended] if phase is Phase.PLANNED else [ended]
     return []
 
 
@@ -163,6 +176,12 @@ def evolve(state: RolloutState, command: Command) -> RolloutState:
         return replace(state, phase=Phase.SNAPSHOTTING, ended_at=command.now, timed_out=True)
     if isinstance(command, Snapshotted) and phase is Phase.SNAPSHOTTING:
         return replace(state, phase=Phase.ENDED, snapshot_digest=command.digest)
+    if isinstance(command, Failed) and phase is not Phase.ENDED:
+        launched = state.launched_at if state.launched_at is not None else command.now
+        return replace(state, phase=Phase.ENDED, launched_at=launched,
+                       ended_at=state.ended_at if state.ended_at is not None else command.now,
+                       exit_status=LAUNCH_FAILED_STATUS if state.exit_status is None else state.exit_status,
+                       snapshot_digest=None, note=command.reason)
     return state
 
 

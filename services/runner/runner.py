@@ -6,7 +6,9 @@ key) *before* the harness starts, run the harness under the task's time limit (o
 timeout its whole process group is killed: the rollout is partial, not failed), snapshot
 the workspace into the blob store, publish ``RolloutFinished`` / ``RolloutTimedOut``.
 A publish the bus refuses is tried again until it is taken or the runner stops: a
-rollout missing from the log would hold its group and its training step for good.
+rollout missing from the log would hold its group and its training step for good. For the
+same reason a rollout the runner itself fails on (its workspace cannot be prepared, an
+unexpected error) is still registered and ended, like a harness that cannot be launched.
 """
 
 from __future__ import annotations
@@ -91,6 +93,18 @@ class RolloutOutcome:
     log_tail: str = ""
 
 
+class StepFailed(RuntimeError):
+    """Some rollouts of a step raised even past the runner's own recovery. Raised only once
+    every rollout of the step has ended; ``outcomes`` holds the others', ``errors`` what was
+    raised (each noted with its rollout and group)."""
+
+    def __init__(self, step: int, total: int, outcomes: list[RolloutOutcome], errors: list[BaseException]) -> None:
+        detail = "; ".join(", ".join([*getattr(exc, "__notes__", ()), _cause(exc)]) for exc in errors)
+        super().__init__(f"step {step}: {len(errors)} of {total} rollouts failed in the runner (after all of them "
+                         f"had ended): {detail}; the other {len(outcomes)} outcomes are in .outcomes")
+        self.step, self.outcomes, self.errors = step, outcomes, errors
+
+
 def group_id_for(step: int, task_id: str) -> str:
     return f"s{step}-{task_id}"
 
@@ -113,6 +127,10 @@ class RolloutRunner:
         # both in /metrics and /health (main.py).
         self.waiting_for_bus: dict[str, str] = {}
         self.publish_failures = 0
+        # event id -> the event as first handed to the bus, and the ids it took: after an
+        # error an event is sent again only as it was, and never once taken (see _end_failed)
+        self._handed: dict[str, Event] = {}
+        self._taken: set[str] = set()
 
     async def run_step(self, step: int, tasks: list[Task], group_size: int, *, weight_version: int = 0,
                        harness: HarnessConfig | None = None, purpose: str = "train",
@@ -123,7 +141,16 @@ class RolloutRunner:
         jobs = [self.run_rollout(step, task, i, group_size, weight_version=weight_version, harness=harness,
                                  purpose=purpose, group_prefix=group_prefix)
                 for task in tasks for i in range(group_size)]
-        return list(await asyncio.gather(*jobs))
+        # Not a plain gather: one rollout raising must not leave its siblings running with
+        # nobody to collect them. (A cancel of run_step still cancels them all.)
+        results = await asyncio.gather(*jobs, return_exceptions=True)
+        outcomes = [r for r in results if isinstance(r, RolloutOutcome)]
+        errors = [r for r in results if not isinstance(r, RolloutOutcome)]
+        if errors:
+            err = StepFailed(step, len(results), outcomes, errors)
+            log.error("%s", err)
+            raise err from errors[0]
+        return outcomes
 
     async def run_rollout(self, step: int, task: Task, index: int, group_size: int | None, *,
                           weight_version: int = 0, harness: HarnessConfig | None = None, purpose: str = "train",
@@ -136,18 +163,71 @@ class RolloutRunner:
             group_id=group_prefix + group_id_for(step, task.task_id), step=step, harness=harness.name,
             weight_version=weight_version, api_key_digest=hashlib.sha256(api_key.encode()).hexdigest(),
             time_limit_s=task.time_limit_s * self.config.time_limit_scale, group_size=group_size, purpose=purpose)
+        try:
+            return await self._run_planned(plan, task, harness, api_key)
+        except Exception as exc:  # past the recovery below: run_step names it once all have ended
+            exc.add_note(f"rollout {rollout_id} of group {plan.group_id}")
+            raise
+
+    async def _run_planned(self, plan: core.RolloutPlan, task: Task, harness: HarnessConfig,
+                           api_key: str) -> RolloutOutcome:
+        rollout_id = plan.rollout_id
         async with self._slots:
-            dirs = await asyncio.to_thread(workspace.prepare, self.config.work_root, rollout_id, task.files_dir,
-                                           task.prompt)
+            dirs = workspace.RolloutDirs(self.config.work_root / rollout_id)
             try:
-                state = await self._lifecycle(core.planned(plan), dirs, harness, api_key, task)
-                return _outcome(state, workspace.log_tail(dirs))
+                try:
+                    dirs = await asyncio.to_thread(workspace.prepare, self.config.work_root, rollout_id,
+                                                   task.files_dir, task.prompt)
+                except Exception as exc:  # disk full, the task's files unreadable: still registered and ended
+                    state = await self._end_failed(plan, dirs, f"its workspace could not be prepared: {_cause(exc)}")
+                else:
+                    try:
+                        state = await self._lifecycle(core.planned(plan), dirs, harness, api_key, task)
+                    except Exception as exc:  # an error of the runner's own: the rollout must still end
+                        phase = self.running.get(rollout_id, core.planned(plan)).phase.value
+                        state = await self._end_failed(plan, dirs, f"the runner failed on it while it was {phase}: "
+                                                       f"{_cause(exc)}", exc)
+                return _outcome(state, _with_note(workspace.log_tail(dirs), state))
             finally:
                 self.running.pop(rollout_id, None)
+                for event_id in (f"{rollout_id}-started", f"{rollout_id}-ended"):
+                    self._handed.pop(event_id, None)
+                    self._taken.discard(event_id)
                 # also after a cancel: nothing reads a workspace once its snapshot is
                 # taken (or given up on)
                 if not self.config.keep_workspaces:
                     await asyncio.to_thread(workspace.remove, dirs)
+
+    async def _end_failed(self, plan: core.RolloutPlan, dirs: workspace.RolloutDirs, reason: str,
+                          exc: BaseException | None = None) -> core.RolloutState:
+        """Registers (if it was not yet) and ends a rollout the runner failed on, like one
+        whose harness could not be launched (exit status 127 unless the harness's own is
+        known), with no snapshot: the evaluator fails its scoring and its group settles
+        without it instead of waiting for it for good. What the bus took is not sent again;
+        an event handed to it but not acknowledged is sent again as it was (same id and
+        content, so the bus de-duplicates it), never in a second version."""
+        rollout = plan.rollout_id
+        state = self.running.get(rollout, core.planned(plan))
+        new, effects = core.step(state, core.Failed(self.clock(), reason))
+        self.running[rollout] = new
+        if state.phase is core.Phase.ENDED:  # its end was decided (and handed to the bus) before the error
+            outcome = "its end as decided before is kept"
+            log.error("rollout %s (group %s, task %s): %s; %s", rollout, plan.group_id, plan.task_id, reason,
+                      outcome, exc_info=exc)
+        else:
+            outcome = "the rollout is ended with no snapshot"
+            log.error("rollout %s (group %s, task %s): %s; it is ended like a harness that could not be launched "
+                      "(exit status %s, no snapshot): its scoring fails and group %s settles without it", rollout,
+                      plan.group_id, plan.task_id, reason, new.exit_status, plan.group_id, exc_info=exc)
+        with contextlib.suppress(OSError), dirs.log_file.open("a") as f:
+            f.write(f"gyre runner: {reason}; {outcome}\n")
+        # an event in flight when the error came first (it precedes what the new phase calls for)
+        todo = [self._handed[i] for i in (f"{rollout}-started", f"{rollout}-ended") if i in self._handed]
+        todo += [fx.event for fx in effects if isinstance(fx, core.Publish)]
+        for event in todo:
+            if event.event_id not in self._taken:
+                await self._publish(plan, self._handed.get(event.event_id, event))
+        return new
 
     async def _apply(self, state: core.RolloutState, command: core.Command,
                      proc: HarnessProcess | None = None) -> core.RolloutState:
@@ -169,7 +249,7 @@ class RolloutRunner:
             proc = await self._launch(state.plan, dirs, harness, api_key, task)
         except (OSError, ValueError, KeyError) as exc:
             log.warning("rollout %s: harness %s did not start: %s", state.plan.rollout_id, harness.name, exc)
-            with dirs.log_file.open("a") as f:
+            with contextlib.suppress(OSError), dirs.log_file.open("a") as f:  # a full disk: it still ends
                 f.write(f"gyre runner: harness did not start: {exc}\n")
             state = await self._apply(state, core.LaunchFailed(self.clock(), str(exc)))
         try:
@@ -262,6 +342,7 @@ class RolloutRunner:
                      f"at most) while it runs, since its group {group} waits for its end")
             left = "its end is not in the log"
         began = self.clock()
+        self._handed.setdefault(event.event_id, event)
 
         def refused() -> None:
             self.waiting_for_bus[rollout] = event.TYPE
@@ -278,6 +359,7 @@ class RolloutRunner:
             raise
         finally:
             waited = self.waiting_for_bus.pop(rollout, None)
+        self._taken.add(event.event_id)
         if waited is not None:
             log.warning("the bus took %s of rollout %s after refusing it for %.1f s", event.TYPE, rollout,
                         self.clock() - began)
@@ -323,6 +405,18 @@ def refused_snapshot(reason: str) -> bytes:
         info.size, info.mode, info.mtime = len(note), 0o644, 0
         tar.addfile(info, io.BytesIO(note))  # a tar of no member cannot be opened again
     return gzip.compress(raw.getvalue(), mtime=0)
+
+
+def _cause(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"  # str() of an OSError has the path; its repr does not
+
+
+def _with_note(tail: str, state: core.RolloutState) -> str:
+    """The log's tail, with the runner's reason for ending the rollout when the log could
+    not take it (a full disk, or no folder at all)."""
+    if state.snapshot_digest is None and state.note and state.note not in tail:
+        tail += f"gyre runner: {state.note}\n"
+    return tail
 
 
 def _outcome(state: core.RolloutState, tail: str) -> RolloutOutcome:

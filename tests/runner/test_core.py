@@ -58,3 +58,31 @@ def test_commands_out_of_order_change_nothing() -> None:
         assert core.step(s0, c) == (s0, [])
     state, _ = run(core.Register(0.0))
     assert core.step(state, core.Register(1.0)) == (state, [])
+
+
+def test_a_rollout_the_runner_fails_on_before_registering_is_registered_and_ended() -> None:
+    state, fx = run(core.Failed(3.0, "its workspace could not be prepared: OSError"))
+    started, ended = (e.event for e in fx[0])
+    assert isinstance(started, RolloutStarted) and started.group_size == 4
+    assert isinstance(ended, RolloutFinished) and ended.causation_id == started.event_id
+    assert (ended.exit_status, ended.snapshot_digest, ended.wall_time_s) == (core.LAUNCH_FAILED_STATUS, None, 0.0)
+    assert state.phase is core.Phase.ENDED and state.note.startswith("its workspace")
+
+
+def test_a_rollout_the_runner_fails_on_later_ends_from_where_it_is() -> None:
+    _, fx = run(core.Register(0.0), core.Failed(0.5, "bug"))
+    [ended] = [e.event for e in fx[1]]  # registered already: only its end
+    assert isinstance(ended, RolloutFinished) and ended.exit_status == core.LAUNCH_FAILED_STATUS
+    _, fx = run(core.Register(0.0), core.Launched(1.0), core.Failed(4.0, "bug"))
+    [ended] = [e.event for e in fx[2]]
+    assert (ended.exit_status, ended.wall_time_s, ended.snapshot_digest) == (core.LAUNCH_FAILED_STATUS, 3.0, None)
+    _, fx = run(core.Register(0.0), core.Launched(1.0), core.DeadlinePassed(61.0), core.Exited(-15, 61.5),
+                core.Failed(62.0, "bug"))
+    [ended] = [e.event for e in fx[4]]  # the harness's own status and the timeout are kept; no snapshot
+    assert isinstance(ended, RolloutTimedOut) and ended.exit_status == -15 and ended.snapshot_digest is None
+    assert ended.wall_time_s == 60.0
+
+
+def test_a_failure_after_the_end_changes_nothing() -> None:
+    state, _ = run(core.Register(0.0), core.Launched(1.0), core.Exited(0, 2.0), core.Snapshotted(DIGEST, 3.0))
+    assert core.step(state, core.Failed(4.0, "bug")) == (state, [])
