@@ -27,11 +27,27 @@ and ``GroupQueued`` say how many micro-steps a group has (``GroupQueued`` also s
 group with none, whose rollouts left nothing to learn; such a step may hold no micro-step
 at all, and is then closed without an update, the version moving on). Logs written
 before those fields count a group as soon as one of its micro-steps is read.
+
+Completeness watchdog: a micro-step of the current step that the work queue gave up on
+(its dead letter on ``gyredlq.trainer-work-<run>``: it failed ``MAX_DELIVER`` tries in a
+row) is computed here, as a dropped one is; so is one that no cell finished within
+``requeue_after_s`` of the later of its step's weights being published, the core reading
+it, and its last ``MicroStepClaimed`` (a cell hung while it kept its claim alive, or a
+queue message lost otherwise). Nothing is applied twice: a micro-step is computed here
+only while it is not among the step's used ones, and a cell's result that comes after is
+passed over as a duplicate. A computation that fails (the blob store down) is tried again
+later; the core does not stop for it (``watchdog.py``).
+
+A core never resumes behind the log: if the newest readable checkpoint is older than the
+log's last ``StepApplied`` (``LATEST`` lost or unreadable, the checkpoint folder wiped), it
+would train those steps again and publish their versions a second time, with other bytes;
+it refuses to start, unless ``resume_behind_log`` (``GYRE_TRAINER_RESUME_BEHIND_LOG``) is set.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import logging
 import math
@@ -42,15 +58,16 @@ from pathlib import Path
 import torch
 
 from libs.common.bus.port import BlobStore, EventBus
-from libs.common.events import (Context, Event, EventDecodeError, GroupQueued, MicroStepDone, MicroStepQueued,
-                                StepApplied, WeightsPublished, WeightsRetired, decode)
+from libs.common.events import (Context, Event, EventDecodeError, GroupQueued, MicroStepClaimed, MicroStepDone,
+                                MicroStepQueued, StepApplied, WeightsPublished, WeightsRetired, decode)
 
 from .backends.base import PolicyBackend
 from .batch import tree_batch
 from .checkpoint import TrainerState, load_latest_checkpoint, save_checkpoint
 from .step import MicroResult, StepReducer, TrainConfig, compute_micro_step, make_optimizer
 from .transfer import GradientSink
-from .worker import load_samples, objective_key, result_from_done
+from .watchdog import CompletenessWatch
+from .worker import load_samples, objective_key, result_from_done, work_queue_name
 
 log = logging.getLogger(__name__)
 Publisher = Callable[[int, dict[str, torch.Tensor]], Awaitable[list[str]]]
@@ -60,6 +77,14 @@ Publisher = Callable[[int, dict[str, torch.Tensor]], Awaitable[list[str]]]
 # one more for a reader that looked up the newest event just before two publications
 DEFAULT_KEEP_WEIGHTS = 3
 MIN_KEEP_WEIGHTS = 2
+# a micro-step no cell finished in this long (after its weights were published, it was
+# read, or last claimed) is computed by the core: longer than any micro-step should take
+DEFAULT_REQUEUE_AFTER_S = 1800.0
+RESUME_BEHIND_LOG_ENV = "GYRE_TRAINER_RESUME_BEHIND_LOG"
+
+
+class BehindTheLog(RuntimeError):
+    """The checkpoint to resume from is older than the log's last ``StepApplied``."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +97,10 @@ class CoreSettings:
     max_staleness: int | None = None  # as the workers': a micro-step computed here refuses the same samples
     keep_checkpoints: int | None = None  # newest checkpoints kept (None: all; replay of step N needs step N's)
     keep_weights: int | None = DEFAULT_KEEP_WEIGHTS  # newest published weight blobs kept (None: all; >= 2)
+    requeue_after_s: float | None = DEFAULT_REQUEUE_AFTER_S  # the watchdog's wait (None or 0: dead letters only)
+    watch_every_s: float = 1.0  # how often the watchdog looks
+    work_queue: str = "trainer-work"  # the workers' queue_name: whose dead letters the core reads
+    resume_behind_log: bool = False  # operator's override: resume from a checkpoint behind the log
 
     def __post_init__(self) -> None:
         if self.keep_weights is not None and self.keep_weights < MIN_KEEP_WEIGHTS:
@@ -105,18 +134,21 @@ class CoreTrainer:
         # (version, weights digest) of each WeightsPublished whose blob is not deleted yet,
         # oldest first (insertion order), one entry per pair
         self._weight_blobs: dict[tuple[int, str], None] = {}
+        self.watch = CompletenessWatch(settings.requeue_after_s)  # which micro-steps no cell will finish
 
     # -------------------------------------------------------------------- start / resume
     async def start(self) -> None:
         found = load_latest_checkpoint(self.settings.checkpoint_dir) if self.settings.checkpoint_dir else None
+        await self._refuse_to_resume_behind_the_log(found[0] if found is not None else None,
+                                                    found[1] if found is not None else TrainerState())
         if found is not None:
             ckpt, self.state, weights, opt = found
             self.backend.load_hf_state_dict(weights)
             self.optimizer.load_state_dict(opt)
             log.info("core resumes at step %d (v%d) from %s", self.state.step, self.state.weight_version, ckpt)
         elif self.settings.checkpoint_dir:  # step 0's starting point, for replay
-            save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer,
-                            keep=self.settings.keep_checkpoints)
+            await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, self.state,
+                                    self.backend.hf_state_dict(), self.optimizer, keep=self.settings.keep_checkpoints)
         # what the log gives again (the trees stream is re-read from its start, the training
         # stream from the checkpoint's position): nothing of an earlier run() is kept
         self.plans = {}
@@ -125,6 +157,32 @@ class CoreTrainer:
         self._weight_blobs = await self._published_weight_blobs()
         await self._publish_pending()  # killed between its checkpoint and publishing it
         await self._publish_weights(cause=None)
+        self.watch = CompletenessWatch(self.settings.requeue_after_s)  # the step's weights are out
+
+    async def _refuse_to_resume_behind_the_log(self, ckpt: Path | None, state: TrainerState) -> None:
+        """Raises :class:`BehindTheLog` if the log has a ``StepApplied`` of ``state.step`` or
+        later: resuming there would train applied steps again and publish their weight
+        versions a second time, with other bytes, to cells that may hold the first ones."""
+        subject = f"gyre.{self.settings.run_id}.{Context.TRAINING.value}.{StepApplied.TYPE}"
+        last = await self.bus.last_on_subject(Context.TRAINING, subject)
+        if last is None:
+            return
+        try:
+            applied = decode(last.data)
+        except EventDecodeError:
+            return
+        if not isinstance(applied, StepApplied) or applied.step < state.step:
+            return
+        where = f"checkpoint {ckpt}" if ckpt is not None else (
+            f"no checkpoint in {self.settings.checkpoint_dir}" if self.settings.checkpoint_dir else "no checkpoint")
+        message = (f"core: the log has applied step {applied.step} (weights v{applied.weight_version}), but the newest "
+                   f"readable checkpoint is at step {state.step} ({where}); resuming there would train steps "
+                   f"{state.step}..{applied.step} again and publish their weight versions a second time with other "
+                   f"bytes. Restore the newer checkpoint (LATEST, step-{applied.step + 1:06d}.pt), or set "
+                   f"{RESUME_BEHIND_LOG_ENV}=1 to resume from it anyway")
+        if not self.settings.resume_behind_log:
+            raise BehindTheLog(message)
+        log.warning("%s (%s is set: resuming)", message, RESUME_BEHIND_LOG_ENV)
 
     async def run(self, stop) -> None:
         """Follows the log until ``stop``. Any error while handling an event (a weights
@@ -133,10 +191,13 @@ class CoreTrainer:
         restarts it, which resumes from the newest checkpoint and publishes what that
         checkpoint has and the log lacks (the step's ``StepApplied``, its weights)."""
         await self.start()
+        since = self.state.consumed.get("training", 0) + 1
         tasks = [asyncio.create_task(self._follow(Context.TREES, 1, MicroStepQueued, self.on_queued, stop)),
                  asyncio.create_task(self._follow(Context.TREES, 1, GroupQueued, self.on_group, stop)),
-                 asyncio.create_task(self._follow(Context.TRAINING, self.state.consumed.get("training", 0) + 1,
-                                                  MicroStepDone, self.on_done, stop))]
+                 asyncio.create_task(self._follow(Context.TRAINING, since, MicroStepDone, self.on_done, stop)),
+                 asyncio.create_task(self._follow(Context.TRAINING, since, MicroStepClaimed, self.on_claimed, stop)),
+                 asyncio.create_task(self._follow_dead_letters(stop)),
+                 asyncio.create_task(self._watch(stop))]
         stopped = asyncio.create_task(stop.wait())
         try:
             while not stop.is_set():
@@ -172,8 +233,9 @@ class CoreTrainer:
                 log.error("core: %s seq %d is not an event this core can read (%s); dead-lettered, skipped",
                           raw.stream, raw.seq, exc)
                 await self.bus.dead_letter(f"trainer-core-{self.settings.run_id}", raw, f"undecodable: {exc}")
-                if context is Context.TRAINING:  # passed, as a handled one would be
-                    self.state.consumed["training"] = raw.seq
+                if kind is MicroStepDone:  # passed, as a handled one would be
+                    async with self._lock:  # (a checkpoint may be being written from the state)
+                        self.state.consumed["training"] = raw.seq
                 continue
             async with self._lock:
                 await handler(event, raw.seq)
@@ -190,9 +252,64 @@ class CoreTrainer:
             plan.sizes[ev.group_id] = ev.group_micro_steps
         if ev.micro_steps_in_step:
             plan.expected = ev.micro_steps_in_step
+        self.watch.read(ev.step, ev.micro_step)
         r = self.reducer
         if ev.step == self.state.step and ev.micro_step in r.dropped and ev.micro_step not in r.used:
             await self._recompute(ev)  # its stale result came in before this event
+        await self._maybe_finish()
+
+    async def on_claimed(self, ev: MicroStepClaimed, seq: int = 0) -> None:
+        """A cell took the micro-step: the watchdog waits ``requeue_after_s`` from now."""
+        if ev.step >= self.state.step:
+            self.watch.claimed(ev.step, ev.micro_step)
+
+    async def _follow_dead_letters(self, stop) -> None:
+        """Notes each micro-step the work queue dead-lettered (from the first: a restarted
+        core sees those its predecessor had not computed yet)."""
+        follow = getattr(self.bus, "follow_dead_letters", None)
+        if follow is None:  # a bus without it: the watchdog's timer alone
+            await stop.wait()
+            return
+        async for raw in follow(work_queue_name(self.settings.run_id, self.settings.work_queue)):
+            if stop.is_set():
+                return
+            if raw is None:
+                continue
+            try:
+                ev = decode(raw.data)
+            except EventDecodeError:
+                continue  # nobody could read it: no step counts it
+            if isinstance(ev, MicroStepQueued) and ev.step >= self.state.step:
+                log.warning("core: the work queue gave up on %s of step %d (%s seq %d); the core computes it",
+                            ev.micro_step, ev.step, raw.stream, raw.seq)
+                self.watch.dead_lettered(ev.step, ev.micro_step)
+
+    async def _watch(self, stop) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.settings.watch_every_s)
+                return
+            except (TimeoutError, asyncio.TimeoutError):
+                pass
+            async with self._lock:
+                await self._requeue_lost()
+
+    async def _requeue_lost(self) -> None:
+        """Computes here each lost micro-step of the current step (under the core's lock: no
+        result of it can be added meanwhile, and one that comes later is a duplicate)."""
+        plan = self.plans.get(self.state.step)
+        if plan is None:
+            return
+        for key in self.watch.lost([(self.state.step, ms) for ms in plan.queued], self.reducer.used):
+            ev = plan.queued[key[1]]
+            why = "dead-lettered by the work queue" if self.watch.is_dead(key) else \
+                f"not finished by any cell within {self.settings.requeue_after_s:.0f}s"
+            log.warning("core: %s of step %d was %s; computes it itself", ev.micro_step, ev.step, why)
+            try:
+                await self._recompute(ev, count_rejected=True)
+            except Exception as exc:  # e.g. the blob store is down: the core goes on, and tries again
+                log.error("core: computing %s failed (%r); tries again later", ev.micro_step, exc)
+                self.watch.failed(key)
         await self._maybe_finish()
 
     async def on_group(self, ev: GroupQueued, seq: int = 0) -> None:
@@ -246,19 +363,21 @@ class CoreTrainer:
             except Exception:  # not this process's, or read already
                 pass
 
-    async def _recompute(self, ev: MicroStepQueued) -> None:
+    async def _recompute(self, ev: MicroStepQueued, *, count_rejected: bool = False) -> None:
         """Computes ``ev`` here, at the current version. Its rejected samples were counted
-        from the cell's ``MicroStepDone`` already; with none left it still counts as done
-        (nothing to add), so the step can complete."""
-        samples, _ = await load_samples(self.blobs, ev, self.backend.vocab_size, self.state.weight_version,
-                                        self.settings.max_staleness)
+        from the cell's ``MicroStepDone`` already (``count_rejected``: there was none, the
+        watchdog's case); with none left it still counts as done (nothing to add), so the
+        step can complete."""
+        samples, rejected = await load_samples(self.blobs, ev, self.backend.vocab_size, self.state.weight_version,
+                                               self.settings.max_staleness)
         if samples:
             result = await asyncio.to_thread(compute_micro_step, self.backend, tree_batch(samples),
                                              self.settings.train, micro_step=ev.micro_step,
                                              weight_version=self.state.weight_version)
         else:
             result = MicroResult(ev.micro_step, self.state.weight_version, (), 0.0, 0, 0, {}, None)
-        self.reducer.add(result)
+        if self.reducer.add(result) and count_rejected:
+            self.reducer.rejected.extend(rejected)
 
     # -------------------------------------------------------------------- the update
     def _complete(self) -> bool:
@@ -317,11 +436,15 @@ class CoreTrainer:
         # at any point resumes from a checkpoint the log has not gone past.
         self.state.pending_applied = applied_ev.model_dump(mode="json")
         if self.settings.checkpoint_dir:
-            save_checkpoint(self.settings.checkpoint_dir, self.state, self.backend.hf_state_dict(), self.optimizer,
-                            keep=self.settings.keep_checkpoints)
+            # off the event loop (a big model's write and fsync take long: NATS pings and the
+            # claims' heartbeats go on), still under the core's lock, so no event is handled
+            # and nothing touches the weights or the optimizer meanwhile; the state is copied
+            await asyncio.to_thread(save_checkpoint, self.settings.checkpoint_dir, copy.deepcopy(self.state),
+                                    self.backend.hf_state_dict(), self.optimizer, keep=self.settings.keep_checkpoints)
             await self._delete_spent(r.step)  # only once nothing would read them again
         await self._publish_pending()
         await self._publish_weights(cause)
+        self.watch.step_opened(self.state.step)  # the new step's weights are out
 
     async def _delete_spent(self, through_step: int) -> None:
         """Deletes the gradient blobs of steps up to ``through_step``, now checkpointed (a

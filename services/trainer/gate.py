@@ -8,7 +8,11 @@ scheduler moves it to training; its optimizer and weights stay put either way. W
 ``gyre.<run>.cmd.trainer.<cell>`` during its switches, and ``leave`` is answered once the
 micro-step in hand is done (a claim still waiting for weights goes back to the queue), so
 the cell's engine takes its memory back only then. At start the worker follows the cell's
-last role on the cells stream (a restarted trainer of a training cell claims again). The
+last role on the cells stream (a restarted trainer of a training cell claims again),
+counting a switch under way by its last phase: ``joining`` is training (the agent's join
+request may have come before the restart), every other phase inference (``leaving`` and
+``resuming``: the agent's leave was answered, the cell serves again; ``draining``,
+``migrating``, ``releasing``: the cell has not joined yet). The
 core itself keeps applying updates whenever a step's micro-steps are all in.
 """
 
@@ -19,7 +23,7 @@ import json
 import logging
 from typing import Any
 
-from libs.common.events import CellRegistered, Context, SwitchCompleted, SwitchFailed
+from libs.common.events import CellRegistered, Context, SwitchCompleted, SwitchFailed, SwitchPhaseEntered
 
 log = logging.getLogger(__name__)
 
@@ -28,13 +32,24 @@ def command_subject(run_id: str, cell: str) -> str:
     return f"gyre.{run_id}.cmd.trainer.{cell}"
 
 
+# a switch's phases by the role the trainer takes in them (services.scheduler.core.lifecycle):
+# the seat joins in ``joining``; before it the cell still serves, and ``leaving`` starts
+# with the seat's leave
+TRAINING_PHASES = frozenset({"joining"})
+
+
 async def last_role(bus: Any, run_id: str, cell: str) -> str | None:
-    """The cell's role as the cells stream last recorded it (None: never registered)."""
+    """The cell's role as the cells stream last recorded it (None: never registered): a
+    switch's outcome, or, while one is under way, the role of its last phase."""
     role = None
     async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{run_id}.cells.>"):
         ev = d.event
-        if isinstance(ev, (CellRegistered, SwitchCompleted, SwitchFailed)) and ev.cell == cell:
+        if getattr(ev, "cell", None) != cell:
+            continue
+        if isinstance(ev, (CellRegistered, SwitchCompleted, SwitchFailed)):
             role = str(ev.role)
+        elif isinstance(ev, SwitchPhaseEntered):
+            role = "training" if ev.phase in TRAINING_PHASES else "inference"
     return role
 
 

@@ -22,7 +22,14 @@ reads either), ``publish_to``
 (``tensor`` | ``disk``), ``publish_pause`` (``none`` | ``in_place``: pause generation
 around every update; an engine that refuses updates while it generates is paused anyway),
 ``follow_role`` (core: its own worker claims micro-steps only between its cell's join and
-leave requests, ``gate.py``; the core applies updates in every role). A malformed
+leave requests, ``gate.py``; the core applies updates in every role), ``requeue_after_s``
+(core: a micro-step of the current step that no cell finished within this many seconds of
+its weights being published, the core reading it or its last claim is computed by the
+core; default 1800, 0: only those the work queue dead-lettered, which the core always
+computes; ``core.py``), ``resume_behind_log`` (core, ``GYRE_TRAINER_RESUME_BEHIND_LOG=1``:
+the operator's override to resume from a checkpoint older than the log's last
+``StepApplied``, which the core otherwise refuses: it would train applied steps again and
+publish their versions a second time with other bytes). A malformed
 ``max_grad_norm``, ``attention`` or ``keep_weights`` stops the service at start with an error
 that names its variable.
 """
@@ -68,7 +75,8 @@ ENV = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYR
        "ack_wait_s": "GYRE_TRAINER_ACK_WAIT_S", "publish_mode": "GYRE_TRAINER_PUBLISH_MODE",
        "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE", "follow_role": "GYRE_TRAINER_FOLLOW_ROLE",
        "keep_checkpoints": "GYRE_TRAINER_KEEP_CHECKPOINTS", "keep_weights": "GYRE_TRAINER_KEEP_WEIGHTS",
-       "max_grad_norm": "GYRE_TRAINER_MAX_GRAD_NORM", "attention": "GYRE_TRAINER_ATTENTION"}
+       "max_grad_norm": "GYRE_TRAINER_MAX_GRAD_NORM", "attention": "GYRE_TRAINER_ATTENTION",
+       "requeue_after_s": "GYRE_TRAINER_REQUEUE_AFTER_S", "resume_behind_log": "GYRE_TRAINER_RESUME_BEHIND_LOG"}
 
 ATTENTION_MODES = ("auto", "dense", "flex", "blocks")  # attention.Mode
 
@@ -116,6 +124,20 @@ def attention_mode(options: dict[str, Any]) -> str:
         raise ValueError(f"attention (GYRE_TRAINER_ATTENTION) must be one of {', '.join(ATTENTION_MODES)}, "
                          f"not {value!r}")
     return mode
+
+
+def _flag(options: dict[str, Any], name: str) -> bool:
+    return str(_opt(options, name, str, "0")).strip().lower() in ("1", "true", "yes", "on")
+
+
+def requeue_after_s(options: dict[str, Any]) -> float | None:
+    """The ``requeue_after_s`` option: the core's watchdog wait (None: dead letters only)."""
+    from .core import DEFAULT_REQUEUE_AFTER_S
+
+    value = number_option(options, "requeue_after_s", default=DEFAULT_REQUEUE_AFTER_S, minimum=0,
+                          label="requeue_after_s (GYRE_TRAINER_REQUEUE_AFTER_S)",
+                          must_be="a finite number of seconds >= 0 (0: only dead-lettered micro-steps)")
+    return value or None
 
 
 def worker_settings(run_id: str, cell: str, options: dict[str, Any]):
@@ -246,7 +268,8 @@ async def trainer_main(ctx: ServiceContext) -> None:
     settings = CoreSettings(run_id, cell, train, checkpoints, _opt(options, "groups_per_step", int, None),
                             max_staleness=settings_w.max_staleness,
                             keep_checkpoints=_opt(options, "keep_checkpoints", int, None),
-                            keep_weights=keep_weights(options))
+                            keep_weights=keep_weights(options), requeue_after_s=requeue_after_s(options),
+                            resume_behind_log=_flag(options, "resume_behind_log"))
     if settings.keep_checkpoints is not None and settings.keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints (GYRE_TRAINER_KEEP_CHECKPOINTS) must be at least 1, "
                          f"not {settings.keep_checkpoints}")
@@ -256,7 +279,7 @@ async def trainer_main(ctx: ServiceContext) -> None:
                        publish=publisher)
     worker = MicroStepWorker(settings_w, await asyncio.to_thread(build_backend, options), bus=rt.bus,
                              blobs=rt.blobs, gradients=local, weights=CoreWeightSource(core))
-    follow = str(_opt(options, "follow_role", str, "0")).strip().lower() in ("1", "true", "yes", "on")
+    follow = _flag(options, "follow_role")
     ctx.health.ok(role=role, cell=cell, checkpoints=str(checkpoints), follows_role=follow)
     if follow:  # the core's own worker claims only while its cell trains (gate.py)
         from .gate import run_gated

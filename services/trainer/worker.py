@@ -10,7 +10,8 @@ the micro-step's weighted loss, puts it on the :class:`GradientSink` and publish
 
 A micro-step of a step the core has not reached yet (version ``s`` not published) is
 held at most ``future_hold_s`` and then put back (the handler raises :class:`NotYet`, the
-bus naks it with the queue's short retry delay): a cell never sits on a future claim
+bus naks it with the queue's short retry delay, and never dead-letters it for that,
+however often: only failed tries count toward ``MAX_DELIVER``): a cell never sits on a future claim
 while a claim of the current step, redelivered from a cell that died, waits in the queue
 for someone to fetch it. While a micro-step is computed the claim is kept alive (the
 queue's heartbeat, every min(30 s, ``ack_wait_s`` / 3)), so a slow micro-step is not
@@ -112,18 +113,26 @@ class WorkerSettings:
     retry_delay_s: float = 1.0  # a claim put back (or one that failed) is delivered again after this
 
 
-def work_queue_config(settings: WorkerSettings) -> ConsumerConfig:
+def work_queue_name(run_id: str, queue_name: str = "trainer-work") -> str:
+    """The work queue's durable consumer (its dead letters go to ``gyredlq.<this>``)."""
     # named per run: a durable of another run on the same server follows that run's subjects
-    return ConsumerConfig(name=f"{settings.queue_name}-{settings.run_id}", context=Context.TREES,
+    return f"{queue_name}-{run_id}"
+
+
+def work_queue_config(settings: WorkerSettings) -> ConsumerConfig:
+    # hand-backs (a future step's claim, a cell leaving while its claim waits for weights)
+    # are redeliveries in the ordinary course: they never count toward MAX_DELIVER
+    return ConsumerConfig(name=work_queue_name(settings.run_id, settings.queue_name), context=Context.TREES,
                           filter_subject=f"gyre.{settings.run_id}.trees.{MicroStepQueued.TYPE}.>",
-                          batch=1, max_deliver=MAX_DELIVER, ack_wait_s=settings.ack_wait_s,
-                          retry_delay_s=settings.retry_delay_s, heartbeat_s=min(30.0, settings.ack_wait_s / 3))
+                          batch=1, max_deliver=MAX_DELIVER, count_redeliveries=False,
+                          ack_wait_s=settings.ack_wait_s, retry_delay_s=settings.retry_delay_s,
+                          heartbeat_s=min(30.0, settings.ack_wait_s / 3))
 
 
-# Every time a claim of a future step is put back (once per ``future_hold_s`` + the retry
-# delay while it waits: 1000 in 100 minutes at the defaults), or a cell leaves training
-# while its claim waits for weights, the claim counts as a delivery; so the bound is
-# generous (it stops only a micro-step that keeps failing).
+# Failed tries of one delivery (retried in place, ``retry_delay_s`` apart: about 17 minutes
+# at the defaults) before a micro-step is dead-lettered. Only real failures count: a claim
+# handed back (``NotYet``, a cell leaving) does not, however often. A dead-lettered
+# micro-step is not lost: the core reads the queue's dead letters and computes it itself.
 MAX_DELIVER = 1000
 
 

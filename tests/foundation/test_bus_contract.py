@@ -9,7 +9,7 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from libs.common.bus.memory import InMemoryBus, subject_matches
-from libs.common.bus.port import ConsumerConfig, Delivery, PermanentError
+from libs.common.bus.port import ConsumerConfig, Deferred, Delivery, PermanentError
 from libs.common.events import Context, RolloutFinished, RolloutStarted, RunStarted
 
 D = "cd" * 32
@@ -138,6 +138,68 @@ async def test_a_failing_event_costs_the_events_behind_it_no_delivery(bus) -> No
     assert tries == [(1, 1), (1, 2), (1, 3), (2, 1), (3, 1)]
     reasons = await dead_letters(bus, "c5", expect=1)
     assert len(reasons) == 1 and "failed 3 times" in reasons[0]
+
+
+async def test_a_deferred_event_is_never_dead_lettered_however_often_it_comes_back(bus) -> None:
+    """A hand-back says the event waits on something else, nothing against it: it comes
+    back as often as it must (JetStream counts each as a delivery) and is handled once
+    what it waits on is there; it is never dead-lettered."""
+    await bus.publish(started(0))
+    waits = {"left": 6}
+
+    async def not_yet(d: Delivery) -> None:
+        if waits["left"] > 0:
+            waits["left"] -= 1
+            raise Deferred("waits on something else")
+
+    cfg = ConsumerConfig(name="c6", context=Context.ROLLOUTS, batch=1, retry_delay_s=0.02, max_deliver=2)
+    got = await consume(bus, cfg, until=1, handler=not_yet)
+    assert [d.seq for d in got] == [1] and waits["left"] == 0
+    assert await dead_letters(bus, "c6", expect=0) == []
+
+
+async def test_without_counting_redeliveries_hand_backs_leave_an_event_all_its_tries(bus) -> None:
+    """A work queue's events are handed back in the ordinary course (``Deferred``): with
+    ``count_redeliveries=False`` an event deferred many times, which then fails for real,
+    still gets ``max_deliver`` tries in place before it could be dead-lettered."""
+    await bus.publish(started(0))
+    plan = ["defer"] * 5 + ["fail", "fail", "ok"]
+    seen: list[str] = []
+
+    async def handler(d: Delivery) -> None:
+        step = plan[len(seen)]
+        seen.append(step)
+        if step == "defer":
+            raise Deferred("not yet")
+        if step == "fail":
+            raise RuntimeError("transient")
+
+    cfg = ConsumerConfig(name="c7", context=Context.ROLLOUTS, batch=1, retry_delay_s=0.02, max_deliver=3,
+                         count_redeliveries=False)
+    got = await consume(bus, cfg, until=1, handler=handler)
+    assert [d.seq for d in got] == [1] and seen == plan
+    assert await dead_letters(bus, "c7", expect=0) == []
+
+
+async def test_follow_dead_letters_gives_each_of_a_consumers_letters_as_it_was(bus) -> None:
+    await bus.publish_many([RolloutFinished(run_id="r1", rollout_id="ro-x", wall_time_s=1.0), started(0)])
+
+    async def reject_finished(d: Delivery) -> None:
+        if isinstance(d.event, RolloutFinished):
+            raise PermanentError("cannot apply")
+
+    cfg = ConsumerConfig(name="c8", context=Context.ROLLOUTS, retry_delay_s=0.02)
+    await consume(bus, cfg, until=1, handler=reject_finished)
+    await dead_letters(bus, "c8", expect=1)
+
+    async def first():
+        async for raw in bus.follow_dead_letters("c8", idle_s=0.02):
+            if raw is not None:
+                return raw
+
+    raw = await asyncio.wait_for(first(), 10)
+    assert (raw.stream, raw.seq) == (Context.ROLLOUTS.stream, 1)
+    assert b"ro-x" in raw.data
 
 
 async def dead_letters(bus, consumer: str, expect: int) -> list[str]:

@@ -87,3 +87,51 @@ async def test_a_leave_sent_while_the_role_is_read_wins_over_the_log(js_bus, mon
     assert worker.runs == 0
     stop.set()
     await asyncio.wait_for(task, 10)
+
+
+async def _claims_within(worker, seconds: float) -> bool:
+    for _ in range(int(seconds / 0.02)):
+        if worker.running:
+            return True
+        await asyncio.sleep(0.02)
+    return worker.running
+
+
+async def test_a_trainer_restarted_after_the_leave_answer_does_not_claim(js_bus) -> None:
+    """The cell trained; the agent's leave was answered (phase ``leaving``, then
+    ``resuming``) and the trainer restarted before ``SwitchCompleted(inference)``: the
+    cell serves again, so the restarted trainer must not claim."""
+    from libs.common.events import SwitchPhaseEntered
+
+    await js_bus.publish(CellRegistered(run_id="gate5", cell="c0", role="inference", is_core=True, capacity=4))
+    await js_bus.publish(SwitchCompleted(run_id="gate5", cell="c0", role="training", weight_version=0))
+    for phase in ("leaving", "resuming"):
+        await js_bus.publish(SwitchPhaseEntered(run_id="gate5", cell="c0", phase=phase))
+    from services.trainer.gate import last_role
+
+    assert await last_role(js_bus, "gate5", "c0") == "inference"
+    worker, stop = RecordingWorker(), asyncio.Event()
+    task = asyncio.create_task(run_gated(worker, js_bus, "gate5", "c0", stop))
+    assert not await _claims_within(worker, 0.5)
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def test_a_trainer_restarted_while_its_cell_joins_claims(js_bus) -> None:
+    """The cell is on its way to training and in ``joining`` (its seat's join may have been
+    answered before the restart): the restarted trainer claims, as the cell expects."""
+    from libs.common.events import SwitchPhaseEntered
+    from services.trainer.gate import last_role
+
+    await js_bus.publish(CellRegistered(run_id="gate6", cell="c0", role="inference", is_core=True, capacity=4))
+    for phase in ("draining", "migrating", "releasing"):
+        await js_bus.publish(SwitchPhaseEntered(run_id="gate6", cell="c0", phase=phase))
+        assert await last_role(js_bus, "gate6", "c0") == "inference"  # not joined yet
+    await js_bus.publish(SwitchPhaseEntered(run_id="gate6", cell="c1", phase="leaving"))  # another cell's
+    await js_bus.publish(SwitchPhaseEntered(run_id="gate6", cell="c0", phase="joining"))
+    assert await last_role(js_bus, "gate6", "c0") == "training"
+    worker, stop = RecordingWorker(), asyncio.Event()
+    task = asyncio.create_task(run_gated(worker, js_bus, "gate6", "c0", stop))
+    assert await _claims_within(worker, 4.0)
+    stop.set()
+    await asyncio.wait_for(task, 10)

@@ -236,10 +236,12 @@ class JetStreamBus:
         ``retry_delay_s``, with the message and the batch's rest kept claimed meanwhile: the
         events behind it wait their turn without being charged a delivery, and no event
         fetched later overtakes them. ``num_delivered`` counts the server's deliveries plus
-        these tries; at ``max_deliver`` the event is dead-lettered and the batch goes on.
-        A :class:`Deferred` event (it waits on something else) is handed back instead, for
-        redelivery after ``retry_delay_s``, and the batch goes on: what it waits on may come
-        after it. Each hand-back counts as a delivery."""
+        these tries (only these with ``count_redeliveries=False``); at ``max_deliver`` the
+        event is dead-lettered and the batch goes on. A :class:`Deferred` event (it waits on
+        something else) is handed back instead, for redelivery after ``retry_delay_s``, and
+        the batch goes on: what it waits on may come after it. A hand-back is never
+        dead-lettered (JetStream counts it as a delivery: a consumer that defers does not
+        count redeliveries)."""
         for i, msg in enumerate(msgs):
             stream, seq, delivered = ack_position(msg)
             try:
@@ -247,8 +249,10 @@ class JetStreamBus:
             except EventDecodeError as exc:
                 await self._dead_letter(config, msg, f"undecodable: {exc}")
                 continue
-            attempt = delivered
+            tries = 0
             while True:
+                tries += 1
+                attempt = delivered + tries - 1  # the server's deliveries and the tries here
                 failure = await self._attempt(config, handler, msgs[i:],
                                               Delivery(event, stream, seq, msg.subject, attempt))
                 if failure is None:
@@ -257,12 +261,13 @@ class JetStreamBus:
                 if isinstance(failure, PermanentError):
                     await self._dead_letter(config, msg, f"rejected: {failure}")
                     break
-                if attempt >= config.max_deliver:
-                    await self._dead_letter(config, msg, f"failed {attempt} times: {failure!r}")
-                    break
                 if isinstance(failure, Deferred):  # handed back: another consumer or a later event goes first
                     log.debug("consumer %s: seq %s deferred (%s)", config.name, seq, failure)
                     await msg.nak(delay=config.retry_delay_s)
+                    break
+                counted = attempt if config.count_redeliveries else tries
+                if counted >= config.max_deliver:
+                    await self._dead_letter(config, msg, f"failed {counted} times: {failure!r}")
                     break
                 log.warning("consumer %s: seq %s failed (%r); retrying", config.name, seq, failure)
                 if not await self._wait_to_retry(config, msgs[i:], stop):
@@ -270,7 +275,6 @@ class JetStreamBus:
                         with contextlib.suppress(Exception):
                             await rest.nak()
                     return
-                attempt += 1
 
     async def _attempt(self, config: ConsumerConfig, handler: Handler, held: list[Any],
                        delivery: Delivery) -> BaseException | None:
@@ -335,8 +339,29 @@ class JetStreamBus:
     async def follow(
         self, context: Context, *, start_seq: int = 1, filter_subject: str | None = None, idle_s: float = 0.05
     ) -> AsyncIterator[RawMessage | None]:
+        async for msg in self._tail(context.stream, filter_subject or context.subjects, start_seq, idle_s):
+            yield None if msg is None else RawMessage(context.stream, msg.metadata.sequence.stream, msg.subject,
+                                                      msg.data)
+
+    async def follow_dead_letters(self, consumer: str, *, idle_s: float = 0.05) -> AsyncIterator[RawMessage | None]:
+        """The dead letters of ``consumer`` (``gyredlq.<consumer>``), oldest first, forever:
+        each as the message it was (its stream, sequence, subject and data); ``None`` after
+        ``idle_s`` without one. Not part of the port: a reader that must notice what a
+        consumer gave up on (the trainer core, for its work queue) asks for it."""
+        async for msg in self._tail(DEADLETTER_STREAM, f"{DEADLETTER_PREFIX}.{consumer}", 1, idle_s):
+            if msg is None:
+                yield None
+                continue
+            h = msg.headers or {}
+            try:
+                seq = int(h.get("Gyre-Dead-Seq", "0"))
+            except ValueError:
+                seq = 0
+            yield RawMessage(h.get("Gyre-Dead-Stream", ""), seq, h.get("Gyre-Dead-Subject", ""), msg.data)
+
+    async def _tail(self, stream: str, subject: str, start_seq: int, idle_s: float) -> AsyncIterator[Any]:
         sub = await self.js.subscribe(
-            filter_subject or context.subjects, stream=context.stream, ordered_consumer=True,
+            subject, stream=stream, ordered_consumer=True,
             config=api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE,
                                       opt_start_seq=max(start_seq, 1)),
             pending_msgs_limit=-1,
@@ -348,7 +373,7 @@ class JetStreamBus:
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
                     yield None
                     continue
-                yield RawMessage(context.stream, msg.metadata.sequence.stream, msg.subject, msg.data)
+                yield msg
         finally:
             with contextlib.suppress(Exception):  # the connection may be closing already
                 await sub.unsubscribe()

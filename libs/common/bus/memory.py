@@ -4,7 +4,8 @@ For pure unit tests of services and for replaying an exported log without a serv
 Streams are lists; a durable consumer's position is kept by name for the bus's lifetime;
 event ids are de-duplicated like ``Nats-Msg-Id`` (for the whole lifetime, not a window).
 One difference: a ``Deferred`` event is tried again in place, as any failure (JetStream
-hands it back and lets the events after it go first).
+hands it back and lets the events after it go first); as there, it is never dead-lettered
+and its tries do not count toward ``max_deliver``.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from ..events import Context, Event, EventDecodeError, decode
-from .port import (ConcurrencyConflict, ConsumerConfig, Delivery, Handler, PermanentError, RawMessage, StopSignal,
-                   skip_undecodable)
+from .port import (ConcurrencyConflict, ConsumerConfig, Deferred, Delivery, Handler, PermanentError, RawMessage,
+                   StopSignal, skip_undecodable)
 
 
 def subject_matches(pattern: str, subject: str) -> bool:
@@ -96,6 +97,7 @@ class InMemoryBus:
         pattern = config.filter_subject or config.context.subjects
         pos = self._positions.setdefault(config.name, self._index(stream, config.start_seq or 1))
         attempts: dict[int, int] = {}
+        failures: dict[int, int] = {}  # tries that failed (not deferred): what max_deliver counts
         while not stop.is_set():
             log = self.streams.get(stream, [])
             if pos >= len(log):
@@ -108,14 +110,15 @@ class InMemoryBus:
             item = log[pos]
             if subject_matches(pattern, item.subject) and (config.start_time is None or item.time >= config.start_time):
                 attempts[item.seq] = attempts.get(item.seq, 0) + 1
-                ok = await self._deliver(config, handler, item, attempts[item.seq])
+                ok = await self._deliver(config, handler, item, attempts[item.seq], failures)
                 if not ok:
                     await asyncio.sleep(config.retry_delay_s)
                     continue
             pos += 1
             self._positions[config.name] = pos
 
-    async def _deliver(self, config: ConsumerConfig, handler: Handler, item: _Stored, n: int) -> bool:
+    async def _deliver(self, config: ConsumerConfig, handler: Handler, item: _Stored, n: int,
+                       failures: dict[int, int]) -> bool:
         try:
             event = decode(item.data)
         except EventDecodeError as exc:
@@ -125,9 +128,12 @@ class InMemoryBus:
             await handler(Delivery(event, config.context.stream, item.seq, item.subject, n))
         except PermanentError as exc:
             self._dead(config, item, f"rejected: {exc}")
+        except Deferred:
+            return False  # waits on something else: never dead-lettered
         except Exception as exc:
-            if n >= config.max_deliver:
-                self._dead(config, item, f"failed {n} times: {exc!r}")
+            failures[item.seq] = failures.get(item.seq, 0) + 1
+            if failures[item.seq] >= config.max_deliver:
+                self._dead(config, item, f"failed {failures[item.seq]} times: {exc!r}")
                 return True
             return False
         return True
@@ -164,6 +170,20 @@ class InMemoryBus:
             pos += 1
             if subject_matches(pattern, item.subject):
                 yield RawMessage(context.stream, item.seq, item.subject, item.data)
+
+    async def follow_dead_letters(self, consumer: str, *, idle_s: float = 0.05) -> AsyncIterator[RawMessage | None]:
+        """As ``JetStreamBus.follow_dead_letters``: the dead letters of ``consumer``, oldest
+        first, forever (``None`` after ``idle_s`` without one)."""
+        pos = 0
+        while True:
+            mine = [d for d in self.dead_letters if d.consumer == consumer]
+            if pos < len(mine):
+                d = mine[pos]
+                pos += 1
+                yield RawMessage(d.stream, d.seq, "", d.data)
+                continue
+            await asyncio.sleep(idle_s)
+            yield None
 
     async def read(
         self,

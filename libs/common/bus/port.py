@@ -53,8 +53,11 @@ class Deferred(Exception):
     """A handler raises this for an event it cannot apply yet (it waits on something else):
     unlike another failure, which the consumer tries again in place, it is handed back to
     the server and redelivered after ``retry_delay_s``, while the events after it go on
-    (what it waits on may be one of them; another consumer of the durable may take it);
-    each hand-back counts toward ``max_deliver``, and it is logged quietly (no error)."""
+    (what it waits on may be one of them; another consumer of the durable may take it).
+    It is logged quietly (no error) and never dead-lettered, however often it comes back:
+    waiting says nothing against the event. (JetStream counts each hand-back as a
+    delivery; a consumer whose handler defers sets ``count_redeliveries=False`` so that
+    ``max_deliver`` counts only real failures.)"""
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,12 @@ class ConsumerConfig:
     # and a dead one loses it ``ack_wait_s`` after its last word. None: no heartbeat (a
     # handler slower than ack_wait_s sees its event delivered again elsewhere).
     heartbeat_s: float | None = None
+    # Whether the server's earlier deliveries of an event count toward ``max_deliver``
+    # (True: a handler that kills its process each time is dead-lettered at last). False
+    # for a consumer whose events are handed back in the ordinary course (``Deferred``,
+    # a worker leaving): there ``max_deliver`` counts only the failed tries of the current
+    # delivery, so hand-backs never use up an event's tries.
+    count_redeliveries: bool = True
     start_seq: int | None = None  # for a new consumer: deliver from this sequence
     start_time: datetime | None = None  # ... or from this time
 
