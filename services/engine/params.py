@@ -32,8 +32,15 @@ def logprob_temperature(temperature: float | None) -> float:
 
     SGLang returns logprobs of ``log_softmax(logits / temperature)`` and turns a
     temperature below ``GREEDY_TEMPERATURE_EPS`` into temperature 1 (top_k 1), so: below
-    it 1.0, else the temperature itself (also for a ``top_k`` 1 request: its pick is the
-    argmax, its logprob still tempered). None (not sent): the default, 1.0.
+    it 1.0, else the temperature itself. None (not sent): the default, 1.0.
+
+    A ``top_k`` 1 request at another temperature has no single answer in SGLang: its pick
+    is the argmax, but its logprobs are tempered only when its batch also holds a request
+    that samples (a batch of greedy requests, all ``top_k`` <= 1, gets
+    ``log_softmax(logits)``). So the proxy sends every ``top_k`` 1 call temperature 1.0
+    (``ChatRequest.sampling_params``), where both cases agree and this rule gives 1.0. The
+    embedded engine's sampler tempers such a request's logprobs by its temperature (as
+    SGLang does in a mixed batch).
     """
     if temperature is None:
         return DEFAULT_TEMPERATURE

@@ -15,17 +15,24 @@ The scheduler drives these (through its NATS commands in the live system, or HTT
 - ``POST /admin/sessions/move`` ``{"session", "to_cell"}``: the session's next call goes
   to ``to_cell`` (KV migration, when wanted, is the scheduler's step before this);
 - ``GET /admin/cells``, ``GET /admin/stats``.
+
+A caller that leaves while still sending its body gets a quiet 499 (logged at INFO), as on
+the chat routes: nobody is there to answer.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 
 from .api.common import ApiError
 from .core.routing import NoCellAvailable
+
+log = logging.getLogger(__name__)
 
 
 def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> None:
@@ -47,6 +54,9 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
                     if not isinstance(body, dict):
                         raise ApiError(400, "invalid_request", "body must be a JSON object")
             return await fn(body)
+        except ClientDisconnect:  # the caller left while its body was being read
+            log.info("%s %s: the caller left while sending its request", request.method, request.url.path)
+            return Response(status_code=499)
         except ApiError as e:
             return fail(e)
         except (NoCellAvailable, ValueError, KeyError) as e:

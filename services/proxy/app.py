@@ -27,6 +27,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from .api import anthropic, openai_chat, openai_responses
 from .api.common import Accepted, ApiError, ChatRequest, Finished, GenEvent, Keepalive, StreamState
 from .core.routing import NoCellAvailable
+from .queue_metrics import CellWaitCollector
 from .service import CallHints, ProxyService
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
     app = FastAPI(title="gyre proxy", docs_url=None, redoc_url=None)
     registry = registry or CollectorRegistry()
     metrics = Metrics(registry)
+    registry.register(CellWaitCollector(service.cell_waits))  # read at scrape time
     service.on_recorded.append(
         lambda api, drift, delivered: metrics.calls.labels(api, drift, str(delivered).lower()).inc())
 

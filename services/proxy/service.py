@@ -94,6 +94,15 @@ class CallStats:
     undelivered: int = 0
 
 
+@dataclass
+class CellWaits:
+    """Streams waiting for a cell (``ProxyConfig.cell_wait_s``), for the metrics."""
+
+    waiting: int = 0  # now (between the tries of the cells)
+    waits: int = 0  # calls that began to wait, ever
+    given_up: int = 0  # ... whose wait ended with no cell (its time up, or the proxy stopping)
+
+
 class ProxyService:
     def __init__(self, config: ProxyConfig, *, bus: EventBus, blobs: BlobStore, renderer: Renderer,
                  router: Router, clients: dict[str, CellClient],
@@ -117,6 +126,7 @@ class ProxyService:
         self.book = RolloutBook(config.run_id, bus, blobs, renderer, stop_texts)
         self.book.on_ended.append(router.forget_rollout)  # an ended rollout's sessions pin no cell
         self.stats = CallStats()
+        self.cell_waits = CellWaits()
         self.on_recorded: list[Callable[[str, str, bool], None]] = []  # (api, drift, delivered), e.g. metrics
         self._background: set[asyncio.Task] = set()
         self._render_pool = ThreadPoolExecutor(max_workers=max(1, config.render_threads),
@@ -515,20 +525,26 @@ class ProxyService:
         now = time.monotonic()
         if call.wait_from is None:
             call.wait_from = now
+            self.cell_waits.waits += 1
             log.warning("call %s: %s; its stream (nothing shown yet) waits up to %.0fs for a cell", call.call_id,
                         why, limit)
         until = call.wait_from + limit
         pause_until = now + call.wait_pause
         call.wait_pause = min(call.wait_pause * 2, CELL_WAIT_PAUSE_S[1])
-        while True:
-            now = time.monotonic()
-            if self.stopping or now >= until:
-                log.warning("call %s: no cell took it in %.0fs (%s); it ends overloaded", call.call_id,
-                            now - call.wait_from, "the proxy is stopping" if self.stopping else why)
-                return False
-            if now >= pause_until and any(c.state is CellState.ACTIVE for c in self.router.cells.values()):
-                return True
-            await asyncio.sleep(min(CELL_WAIT_POLL_S, until - now))
+        self.cell_waits.waiting += 1
+        try:
+            while True:
+                now = time.monotonic()
+                if self.stopping or now >= until:
+                    log.warning("call %s: no cell took it in %.0fs (%s); it ends overloaded", call.call_id,
+                                now - call.wait_from, "the proxy is stopping" if self.stopping else why)
+                    self.cell_waits.given_up += 1
+                    return False
+                if now >= pause_until and any(c.state is CellState.ACTIVE for c in self.router.cells.values()):
+                    return True
+                await asyncio.sleep(min(CELL_WAIT_POLL_S, until - now))
+        finally:
+            self.cell_waits.waiting -= 1
 
     def _parse(self, call: "_Call", req: ChatRequest):
         """The reply as the caller sees it: cut before a matched stop sequence (the

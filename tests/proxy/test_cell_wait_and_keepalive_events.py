@@ -1,7 +1,8 @@
 """An open stream that has shown nothing yet waits for a cell instead of failing (a cell
-that aborts or crashes after the grace, its only cell switching away); each API's own
-keepalive (Responses: ``response.in_progress`` again, read by the real SDK); a caller
-that leaves while sending its body is a quiet 499."""
+that aborts or crashes after the grace, its only cell switching away), counted in
+/metrics; each API's own keepalive (Responses: ``response.in_progress`` again, read by the
+real SDK); a caller that leaves while sending its body is a quiet 499, on the chat and
+admin routes alike."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import httpx
 import openai
 import pytest
 from fastapi import FastAPI, Request
+from prometheus_client.parser import text_string_to_metric_families
 from fastapi.responses import StreamingResponse
 
 from ._fakes import ScriptedEngine, Served
@@ -237,6 +239,42 @@ async def test_the_wait_is_bounded_and_ends_overloaded(proxy) -> None:
     assert len(await calls_of(proxy, "wait-bound")) == 1
 
 
+async def _wait_metrics(proxy) -> dict[str, float]:
+    async with httpx.AsyncClient() as c:
+        text = (await c.get(proxy.url + "/metrics")).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("gyre_proxy_cell_wait")}
+
+
+async def test_waits_for_a_cell_are_counted_in_the_metrics(proxy) -> None:
+    """A gauge of the calls waiting now, a counter of waits and one of waits that gave up."""
+    assert await _wait_metrics(proxy) == {"gyre_proxy_cell_waiting": 0, "gyre_proxy_cell_waits_total": 0,
+                                          "gyre_proxy_cell_waits_given_up_total": 0}
+    only_cell_a(proxy, [Failing(1.2, tokens=2)] + [Failing(0.1, tokens=1)] * 50, wait_s=1.5)
+    base = await proxy.rollout("wait-metrics")
+
+    async def call() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=30) as c:
+            return await c.post(base + "/v1/messages", headers=AKEY,
+                                json={"model": "m", "max_tokens": 500, "stream": True,
+                                      "messages": [{"role": "user", "content": "write"}]})
+
+    given_up = asyncio.create_task(call())
+    seen = []
+    while not given_up.done():
+        seen.append((await _wait_metrics(proxy))["gyre_proxy_cell_waiting"])
+        await asyncio.sleep(0.05)
+    assert "overloaded_error" in (await given_up).text
+    assert 1 in seen  # it waited, and was seen waiting
+    assert await _wait_metrics(proxy) == {"gyre_proxy_cell_waiting": 0, "gyre_proxy_cell_waits_total": 1,
+                                          "gyre_proxy_cell_waits_given_up_total": 1}
+    only_cell_a(proxy, [Failing(1.5, tokens=3), Failing(0.1)])  # waits, then is served
+    served = await call()
+    assert served.status_code == 200 and "message_stop" in served.text
+    assert await _wait_metrics(proxy) == {"gyre_proxy_cell_waiting": 0, "gyre_proxy_cell_waits_total": 2,
+                                          "gyre_proxy_cell_waits_given_up_total": 1}
+
+
 async def test_a_stream_that_showed_content_does_not_wait(proxy) -> None:
     """Text already went out: the cell's abort ends the stream at once (no other cell)."""
     engine = only_cell_a(proxy, [Failing(1.5, tokens=4)], reply="some plain text that is shown as it comes")
@@ -384,3 +422,26 @@ async def test_a_caller_leaving_while_sending_its_body_is_a_quiet_499(proxy, cap
     async with httpx.AsyncClient() as c:
         metrics = (await c.get(proxy.url + "/metrics")).text
     assert 'kind="internal"' not in metrics
+
+
+async def test_an_admin_caller_leaving_while_sending_its_body_is_a_quiet_499(proxy, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="services.proxy")
+    host, port = proxy.url.removeprefix("http://").split(":")
+    for path in ("/admin/cells", "/admin/cells/cell-a/drain", "/admin/sessions/move"):
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write((f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {ADMIN}\r\n"
+                      "Content-Type: application/json\r\nContent-Length: 5000\r\n\r\n"
+                      '{"name": "cell-z", ').encode())
+        await writer.drain()
+        await asyncio.sleep(0.2)  # the proxy is reading the body
+        writer.close()
+        await writer.wait_closed()
+    for _ in range(200):
+        if sum("left while sending" in r.getMessage() for r in caplog.records) >= 3:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert sum("left while sending" in m for _, m in logged) == 3, logged
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], logged
+    assert set(proxy.service.router.cells) == {"cell-a", "cell-b"}  # nothing half done

@@ -12,6 +12,10 @@ from services.engine.params import DEFAULT_TEMPERATURE
 from ..core.messages import Msg, ToolCall, ToolSpec
 
 MAX_STOP_SEQUENCES = 16
+NO_TOP_K = -1  # SGLang's "no top-k limit"
+# what a top_k 1 call is sent: its logprobs are then log_softmax(logits) in any batch
+# (see ChatRequest.sampling_params), and logprob_temperature(1.0) records just that
+GREEDY_PICK_TEMPERATURE = 1.0
 
 
 class ApiError(Exception):
@@ -52,15 +56,26 @@ class ChatRequest:
         """SGLang's ``sampling_params`` for the call. The temperature is always sent (the
         engines' default, 1.0, when the caller named none): the behaviour logprobs are
         tempered by it and the record must say by what, whatever defaults a cell was
-        started with (SGLang's ``--preferred-sampling-params``)."""
+        started with (SGLang's ``--preferred-sampling-params``).
+
+        A ``top_k`` 1 call is sent temperature 1.0, whatever it asked for: its pick is the
+        argmax at any temperature, but SGLang tempers its logprobs only when its batch also
+        holds a request that samples (a batch of greedy requests, all ``top_k`` <= 1, gets
+        ``log_softmax(logits)``), so at any other temperature they would depend on what it
+        was batched with. ``top_k`` is always sent too, for the same reason as the
+        temperature (a cell's default ``top_k`` 1 would make a call greedy unseen): the
+        caller's when 1 or more, else -1, no limit (Anthropic's ``top_k`` 0, which SGLang
+        refuses, asks for no limit too)."""
+        if self.top_k == 1:
+            temperature = GREEDY_PICK_TEMPERATURE
+        else:
+            temperature = DEFAULT_TEMPERATURE if self.temperature is None else self.temperature
         sp: dict[str, Any] = {"max_new_tokens": self.max_tokens or default_max_tokens,
                               "stop_token_ids": list(stop_token_ids), "skip_special_tokens": False,
-                              "no_stop_trim": True,
-                              "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature}
+                              "no_stop_trim": True, "temperature": temperature,
+                              "top_k": self.top_k if self.top_k is not None and self.top_k >= 1 else NO_TOP_K}
         if self.top_p is not None:
             sp["top_p"] = self.top_p
-        if self.top_k is not None:
-            sp["top_k"] = self.top_k
         if self.stop:
             sp["stop"] = list(self.stop)
         if self.seed is not None:
