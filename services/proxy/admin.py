@@ -16,6 +16,8 @@ The scheduler drives these (through its NATS commands in the live system, or HTT
   to ``to_cell`` (KV migration, when wanted, is the scheduler's step before this);
 - ``GET /admin/cells``, ``GET /admin/stats``.
 
+Fields are checked: ``capacity`` an integer >= 1, ``timeout_s`` seconds >= 0, ``migrate`` a
+JSON boolean, ``session``/``to_cell`` strings; anything else is a 400 naming the field.
 A caller that leaves while still sending its body gets a quiet 499 (logged at INFO), as on
 the chat routes: nobody is there to answer.
 """
@@ -23,6 +25,7 @@ the chat routes: nobody is there to answer.
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
@@ -68,7 +71,7 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
             name, url = body.get("name"), body.get("url")
             if not isinstance(name, str) or not isinstance(url, str):
                 raise ApiError(400, "invalid_request", "'name' and 'url' are required strings")
-            service.add_cell(name, url, int(body.get("capacity", 8)))
+            service.add_cell(name, url, _int_field(body, "capacity", 8, minimum=1))
             return {"ok": True, "cells": _cells(service)}
 
         return await guarded(request, run)
@@ -88,7 +91,7 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
 
             if name not in service.router.cells:
                 raise ApiError(404, "not_found", f"unknown cell {name!r}")
-            left = await drain_cell(service.router, name, float(body.get("timeout_s", 30)))
+            left = await drain_cell(service.router, name, _seconds_field(body, "timeout_s", 30.0))
             return {"ok": left == 0, "in_flight": left, "sessions": service.router.sessions_on(name)}
 
         return await guarded(request, run)
@@ -106,8 +109,8 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
                 raise ApiError(400, "invalid_request", str(exc)) from None
             if name not in service.router.cells:
                 raise ApiError(404, "not_found", f"unknown cell {name!r}")
-            ev = await evacuate(service, name, timeout_s=float(body.get("timeout_s", 30)),
-                                migrate=bool(body.get("migrate", True)), mover=getattr(service, "kv_mover", None),
+            ev = await evacuate(service, name, timeout_s=_seconds_field(body, "timeout_s", 30.0),
+                                migrate=_bool_field(body, "migrate", True), mover=getattr(service, "kv_mover", None),
                                 deadline_s=deadline_s)
             return {**asdict(ev), "complete": ev.complete}
 
@@ -124,7 +127,10 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
     @app.post("/admin/sessions/move")
     async def move(request: Request) -> Any:
         async def run(body: dict) -> Any:
-            before = service.router.move_session(str(body["session"]), str(body["to_cell"]))
+            session, to_cell = body.get("session"), body.get("to_cell")
+            if not isinstance(session, str) or not isinstance(to_cell, str):
+                raise ApiError(400, "invalid_request", "'session' and 'to_cell' are required strings")
+            before = service.router.move_session(session, to_cell)
             return {"ok": True, "from_cell": before}
 
         return await guarded(request, run)
@@ -148,3 +154,27 @@ def add_admin_routes(app: FastAPI, service: Any, admin_token: str | None) -> Non
 def _cells(service: Any) -> list[dict[str, Any]]:
     return [{"name": c.name, "state": c.state.value, "capacity": c.capacity, "in_flight": c.in_flight,
              "sessions": service.router.pinned(c.name)} for c in service.router.cells.values()]
+
+
+def _int_field(body: dict, key: str, default: int, *, minimum: int) -> int:
+    """``body[key]``, an integer of at least ``minimum`` (JSON booleans and fractions are not)."""
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ApiError(400, "invalid_request", f"'{key}' must be an integer >= {minimum}, not {value!r}", key)
+    return value
+
+
+def _seconds_field(body: dict, key: str, default: float) -> float:
+    """``body[key]``, a finite number of seconds >= 0."""
+    value = body.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ApiError(400, "invalid_request", f"'{key}' must be a number of seconds >= 0, not {value!r}", key)
+    return float(value)
+
+
+def _bool_field(body: dict, key: str, default: bool) -> bool:
+    """``body[key]``, a JSON boolean (the string "false" is not one)."""
+    value = body.get(key, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, "invalid_request", f"'{key}' must be true or false, not {value!r}", key)
+    return value

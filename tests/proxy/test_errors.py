@@ -232,3 +232,22 @@ async def test_a_template_refusing_the_conversation_is_a_400_on_every_path(proxy
             is_anthropic_error(r, 400, "invalid_request_error", "System message must be at the beginning")
     finally:
         renderer.tokenizer.chat_template = original
+
+
+@pytest.mark.parametrize(("path", "body", "word"), [
+    ("/admin/cells", {"name": "x", "url": "http://127.0.0.1:9", "capacity": [1]}, "'capacity' must be an integer"),
+    ("/admin/cells", {"name": "x", "url": "http://127.0.0.1:9", "capacity": 1.5}, "'capacity' must be an integer"),
+    ("/admin/cells", {"name": "x", "url": "http://127.0.0.1:9", "capacity": 0}, "'capacity' must be an integer"),
+    ("/admin/cells/cell-a/drain", {"timeout_s": {}}, "'timeout_s' must be a number"),
+    ("/admin/cells/cell-a/drain", {"timeout_s": -1}, "'timeout_s' must be a number"),
+    ("/admin/cells/cell-a/evacuate", {"migrate": "false"}, "'migrate' must be true or false"),
+    ("/admin/sessions/move", {"session": ["s"], "to_cell": "cell-b"}, "'session' and 'to_cell'"),
+])
+async def test_admin_fields_of_the_wrong_kind_are_400s_naming_them(proxy, path, body, word) -> None:
+    """Before, a list or object raised TypeError (a 500) and the string "false" meant true;
+    nothing is changed by a refused command."""
+    async with httpx.AsyncClient() as c:
+        r = await c.post(proxy.url + path, json=body, headers={"Authorization": f"Bearer {ADMIN}"})
+        assert r.status_code == 400 and word in r.text, r.text
+        cells = (await c.get(proxy.url + "/admin/cells", headers={"Authorization": f"Bearer {ADMIN}"})).json()["cells"]
+        assert {c["name"]: c["state"] for c in cells} == {"cell-a": "active", "cell-b": "active"}
