@@ -30,6 +30,17 @@ A restarted agent registers in inference: it first asks its training seat to lea
 core's trainer may still be claiming for a cell that trained) and gives its engine its
 memory back if the cells stream says the cell trained or was on its way there (an SGLang
 engine does not say whether its memory is released).
+
+Every resume of an engine whose memory was (or may have been) released, on the way back
+from training, in a rollback from ``releasing`` or ``joining``, or at a restart, is followed
+by loading the newest published weights, whatever version the engine reports: SGLang's
+release frees the weights, and without a CPU backup its resume gives back memory, not
+values (``_catch_up_weights``).
+
+A rollback step that fails leaves the cell *broken*: out of the proxy's routing, refusing
+switches, until ``keep_registered`` runs the steps left. Its ``SwitchFailed`` (and each
+refusal meanwhile) says ``unusable``, and the repair writes ``CellRepaired``, so the
+scheduler's fold does not count the cell meanwhile, live and in a replay.
 """
 
 from __future__ import annotations
@@ -40,7 +51,8 @@ import logging
 import time
 from typing import Any
 
-from libs.common.events import CellRegistered, Context, SwitchCompleted, SwitchFailed, SwitchPhaseEntered, decode
+from libs.common.events import (CellRegistered, CellRepaired, Context, SwitchCompleted, SwitchFailed,
+                                SwitchPhaseEntered, decode)
 from libs.common.events.envelope import subject_token
 
 from .adapters import EngineControl, ProxyControl, TrainingSeat
@@ -140,6 +152,7 @@ class CellAgent:
         rec = SwitchRecord(self.name, self.role, to_role)
         try:
             if self.broken is not None:
+                rec.unusable = True
                 raise SwitchRefused(f"cell is not usable as {self.role}: {self.broken}")
             phases = plan(self.role, to_role)
         except SwitchRefused as exc:
@@ -170,6 +183,7 @@ class CellAgent:
                 problem = await self._roll_back(rec, completed)
                 if problem is not None:
                     rec.reason += f"; rollback to {rec.role_now} failed, the cell is not usable: {problem}"
+                    rec.unusable = True
                 break
             rec.timings[phase] = time.monotonic() - start
             completed.append(phase)
@@ -237,22 +251,37 @@ class CellAgent:
         elif phase == "resuming":
             await self.engine.resume()
             log.info("cell %s: engine memory resumed", self.name)
-            await asyncio.wait_for(self._catch_up_weights(), CATCH_UP_TIMEOUT_S)
+            await asyncio.wait_for(self._reload_weights(), CATCH_UP_TIMEOUT_S)
             await self._serve()
 
-    async def _catch_up_weights(self) -> None:
-        """Weights published while this cell trained: load the newest before serving."""
-        if self.latest_weights is None:
-            return
-        newest = await self.latest_weights.newest()
+    async def _catch_up_weights(self, *, always: bool = False) -> None:
+        """Load the newest published weights before serving: when newer than the engine's
+        (published while the cell was away), or ``always`` after the engine's memory was
+        released and resumed. SGLang's release (``tags=None``) frees the weights too, and
+        without ``--enable-weights-cpu-backup`` its resume gives memory back, not their
+        values, while it still reports the version it had: the version says nothing of
+        what the engine holds then. The embedded engine parks its weights on disk and
+        gets them back, so the push is redundant there, but the rule is the same for every
+        engine. With nothing published (the core trainer publishes its starting weights
+        when it starts), nothing can be pushed: said in the log."""
+        newest = await self.latest_weights.newest() if self.latest_weights is not None else None
         if newest is None:
+            if always:
+                log.warning("cell %s: no published weights to load after its engine resumed; it serves what the "
+                            "engine got back (an SGLang server without --enable-weights-cpu-backup lost them)",
+                            self.name)
             return
         version, weights = newest
-        if version > await self._weight_version_safe():
+        if always or version > await self._weight_version_safe():
             from .adapters import push_weights
 
-            log.info("cell %s: loading weights v%d published while it trained", self.name, version)
+            log.info("cell %s: loading weights v%d (%s)", self.name, version,
+                     "its engine's memory was released" if always else "published while it was away")
             await push_weights(self.engine.client, version, weights)
+
+    async def _reload_weights(self) -> None:
+        """After a resume of an engine whose memory was (or may have been) released."""
+        await self._catch_up_weights(always=True)
 
     async def _weight_version_safe(self) -> int:
         try:
@@ -268,7 +297,11 @@ class CellAgent:
         (serving from an engine that did not come back would fail agents' calls) and
         returns why; ``keep_registered`` retries the steps left."""
         if rec.from_role == "inference" and rec.role_now == "inference":
-            steps: tuple[Any, ...] = (self.seat.leave, self.engine.resume, self._catch_up_weights, self._serve)
+            # the engine may have released its memory once releasing began: its weights are
+            # reloaded whatever version it reports (``_catch_up_weights``)
+            released = "releasing" in completed or rec.failed_phase == "releasing"
+            steps: tuple[Any, ...] = (self.seat.leave, self.engine.resume,
+                                      self._reload_weights if released else self._catch_up_weights, self._serve)
         elif rec.from_role == "training" and "leaving" in completed:
             steps = (self.engine.release, self._rejoin)
         else:
@@ -311,6 +344,7 @@ class CellAgent:
                 return
             if await self._run_steps(self._repair) is None:
                 log.info("cell %s: repaired; serving as %s again", self.name, self.role)
+                await self._publish_hard(CellRepaired(run_id=self.run_id, cell=self.name, role=self.role))
 
     async def _leave_seat(self) -> None:
         """A restarted agent registers in inference: its seat leaves training first. The
@@ -347,7 +381,7 @@ class CellAgent:
                 raise
             # released, or resumed already, before the agent stopped: whichever, try serving
             log.warning("cell %s: resuming the engine failed (%r); it may not have been released", self.name, exc)
-        await self._catch_up_weights()
+        await self._reload_weights()
 
     async def _recorded_state(self) -> str | None:
         """The cell's last role or phase on the cells stream (None: nothing recorded)."""
@@ -372,7 +406,15 @@ class CellAgent:
                                       phase_timings=rec.timings, weight_version=version, causation_id=causation_id)
         else:
             ev = SwitchFailed(run_id=self.run_id, cell=self.name, role=rec.role_now, phase=rec.failed_phase or "?",
-                              reason=rec.reason or "unknown", causation_id=causation_id)
+                              reason=rec.reason or "unknown", causation_id=causation_id, unusable=rec.unusable)
+        await self._publish_hard(ev)
+
+    async def _publish_hard(self, ev: Any) -> None:
+        """A switch's outcome or a repair: the scheduler's fold waits on it. Behind any
+        event still unsent, so the log has them in the order they happened."""
+        if self.unsent:
+            self.unsent.append(ev)
+            return
         for delay in FINISH_RETRY_S:  # the scheduler waits on this event: try hard to write it
             try:
                 await self.bus.publish(ev)

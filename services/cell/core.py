@@ -57,6 +57,7 @@ class SwitchRecord:
     timings: dict[str, float] = field(default_factory=dict)
     failed_phase: str | None = None
     reason: str | None = None
+    unusable: bool = False  # a rollback step failed: the cell cannot do ``role_now`` until repaired
 
     @property
     def ok(self) -> bool:

@@ -11,7 +11,12 @@ by ``gpu_check.py``, which also ran all of Gyre's calls against a real 0.5.23 se
 CPU). ``/begin_weight_update`` and ``/end_weight_update`` need >= 0.5.21.
 ``--weight-version`` and ``--admin-api-key`` are passed only when set, since older releases
 lack them. ``--enable-memory-saver`` is on by default (GPU release/resume of memory needs
-it; the CPU engine runs without it).
+it; the CPU engine runs without it). The cell agent releases all of the engine's memory
+(weights, KV cache, CUDA graphs); without ``--enable-weights-cpu-backup`` the weights'
+values are lost and the agent loads the newest published weights after every resume
+(``services.cell.agent``). ``enable_weights_cpu_backup`` (off by default: it holds a host
+copy of the served weights for as long as the cell trains, host memory the training seat
+may need) makes the resume give them back by itself.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ class SGLangConfig:
     admin_api_key: str | None = None
     weight_version: str | None = None
     enable_memory_saver: bool = True
+    enable_weights_cpu_backup: bool = False  # keep the weights in host memory while released
     skip_server_warmup: bool = False
     device: str | None = None  # "cpu" for SGLang's CPU engine (tests only)
     max_total_tokens: int | None = None
@@ -82,6 +88,8 @@ def build_command(cfg: SGLangConfig) -> list[str]:
             cmd += [flag, str(value)]
     if cfg.enable_memory_saver:
         cmd.append("--enable-memory-saver")
+    if cfg.enable_weights_cpu_backup:
+        cmd.append("--enable-weights-cpu-backup")
     if cfg.skip_server_warmup:
         cmd.append("--skip-server-warmup")
     return cmd + list(cfg.extra_args)

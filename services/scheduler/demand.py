@@ -2,10 +2,23 @@
 
 Fed with events from the rollouts, trees and training streams; read as the fields of a
 ``core.Tick`` (the proxy adds the calls in flight per cell).
+
+A ``gyre run`` restarted mid-step leaves rollouts with a ``RolloutStarted`` and no end (its
+in-process runner died with it) and re-runs the step's unsettled tasks under new group ids
+(``re<N>-`` before the old id: ``gyre/run.py``). Two signals of the log let them go:
+
+- a group re-run supersedes the group it re-runs (same id without the ``re<N>-`` prefix,
+  or an older prefix) unless that one was queued already: it leaves the step's groups (the
+  step waits for the re-run, not for it), its rollouts still running are orphans and leave
+  the water level, and its micro-steps, if any were queued, are not waited on;
+- a rollout still running :data:`ORPHAN_GRACE_S` past its time limit (``time_limit_s``,
+  from its start) has no runner any more (the runner ends each at its limit and writes its
+  end then): ``expire(now)`` drops it from the water level.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from libs.common.events import (
@@ -24,16 +37,27 @@ class Demand:
     step_groups: dict[int, set[str]] = field(default_factory=dict)  # step -> its training groups started
     queued_groups: set[str] = field(default_factory=set)  # groups with micro-steps queued
     groups_per_step: int | None = None  # when known: a step has this many training groups
+    superseded: set[str] = field(default_factory=set)  # groups a re-run replaced before they were queued
+    _running_group: dict[str, str] = field(default_factory=dict)  # running rollout -> its group
+    _overdue_at: dict[str, float] = field(default_factory=dict)  # running rollout -> when it surely has no runner
+    _micro_group: dict[str, str] = field(default_factory=dict)  # queued micro-step -> its group
 
     def apply(self, ev: Event) -> None:
         if isinstance(ev, RolloutStarted):
+            if ev.group_id in self.superseded:
+                return  # a late start of a group re-run already
             self.running_rollouts.add(ev.rollout_id)
+            self._running_group[ev.rollout_id] = ev.group_id
+            if ev.time_limit_s is not None:
+                self._overdue_at[ev.rollout_id] = ev.time.timestamp() + ev.time_limit_s + ORPHAN_GRACE_S
             if ev.purpose == "train":
+                self._supersede(ev.step, ev.group_id)
                 self.step_groups.setdefault(ev.step, set()).add(ev.group_id)
         elif isinstance(ev, (RolloutFinished, RolloutTimedOut)):
-            self.running_rollouts.discard(ev.rollout_id)
+            self._stop(ev.rollout_id)
         elif isinstance(ev, MicroStepQueued):
             self.queued[ev.micro_step] = ev.step
+            self._micro_group[ev.micro_step] = ev.group_id
             if ev.group_micro_steps is None:  # a log from before GroupQueued: count it at once
                 self.queued_groups.add(ev.group_id)
         elif isinstance(ev, GroupQueued):  # after all of the group's micro-steps in the stream
@@ -46,11 +70,44 @@ class Demand:
         elif isinstance(ev, StepApplied):
             self.applied_steps.add(ev.step)
 
+    def _stop(self, rollout: str) -> None:
+        self.running_rollouts.discard(rollout)
+        self._running_group.pop(rollout, None)
+        self._overdue_at.pop(rollout, None)
+
+    def _supersede(self, step: int, group: str) -> None:
+        """``group`` re-runs (``re<N>-<base>``) the step's unqueued groups of the same base
+        from earlier attempts: they will never be queued, and their running rollouts are
+        orphans of a runner that stopped."""
+        base, attempt = _attempt(group)
+        if attempt == 0:
+            return
+        old = {g for g in self.step_groups.get(step, set())
+               if g != group and g not in self.queued_groups and _attempt(g)[0] == base and _attempt(g)[1] < attempt}
+        if not old:
+            return
+        self.superseded |= old
+        self.step_groups[step] -= old
+        for rollout in [r for r, g in self._running_group.items() if g in old]:
+            self._stop(rollout)
+
+    def expire(self, now: float) -> list[str]:
+        """Drops the rollouts still running :data:`ORPHAN_GRACE_S` past their time limit
+        at ``now`` (seconds since the epoch); returns them."""
+        gone = [r for r, at in self._overdue_at.items() if at <= now]
+        for rollout in gone:
+            self._stop(rollout)
+        return gone
+
+    def _counted(self, micro_step: str) -> bool:
+        return self._micro_group.get(micro_step) not in self.superseded
+
     @property
     def backlog(self) -> int:
         """Micro-steps queued and neither claimed nor done (claimable now)."""
         return sum(1 for m, step in self.queued.items()
-                   if m not in self.claimed and m not in self.done and step not in self.applied_steps)
+                   if m not in self.claimed and m not in self.done and step not in self.applied_steps
+                   and self._counted(m))
 
     @property
     def update_pending(self) -> bool:
@@ -60,7 +117,8 @@ class Demand:
         may start a step's groups over time); without it, steps whose rollouts were never
         seen (a log cut short) count what was queued."""
         steps = {s for s in self.queued.values() if s not in self.applied_steps}
-        return any(self._all_groups_in(step) and all(m in self.done for m, s in self.queued.items() if s == step)
+        return any(self._all_groups_in(step)
+                   and all(m in self.done for m, s in self.queued.items() if s == step and self._counted(m))
                    for step in steps)
 
     @property
@@ -80,3 +138,13 @@ class Demand:
     @property
     def busy_trainers(self) -> frozenset[str]:
         return frozenset(self.claimed.values())
+
+
+ORPHAN_GRACE_S = 900.0  # past a rollout's time limit: its runner would have ended it (kill, snapshot, event) by then
+_RERUN = re.compile(r"^re(\d+)-")
+
+
+def _attempt(group: str) -> tuple[str, int]:
+    """``re<N>-<base>`` -> (base, N); any other group id -> (itself, 0)."""
+    m = _RERUN.match(group)
+    return (group[m.end():], int(m.group(1))) if m else (group, 0)

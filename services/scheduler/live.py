@@ -59,8 +59,10 @@ older switch). A declaration is built once, with an event id fixed by its reques
 copy. The agent itself looks for a ``SwitchFailed`` of its switch before each phase it
 starts and, if it finds one, rolls back and reports where it is (``CellAgent``).
 
-The step's update waits on the core; while the core is silent the policies do not switch
-it, and the scheduler logs once that the update waits on it.
+Where the core applies a step's update only while it trains (``update_needs_training``;
+not Gyre's trainer, which applies it in any role), the update waits on the core; while the
+core is silent the policies do not switch it, and the scheduler logs once that the update
+waits on it.
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ from .core.facts import SwitchStarted
 from .core.lifecycle import ROLLBACK, SWITCH_PATH, CellPhase, Role
 from .core.state import Cell
 from .core.translate import declared_reason, to_event
-from .demand import Demand
+from .demand import ORPHAN_GRACE_S, Demand
 from .replay import CellsFold
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,8 @@ class LiveScheduler:
     def __init__(self, *, run_id: str, bus: EventBus, policy: Any, proxy_stats: ProxyStats, send_switch: SendSwitch,
                  tick_s: float = 2.0, clock: Callable[[], float] = time.time,
                  groups_per_step: int | None = None, switch_timeout_s: float = SWITCH_TIMEOUT_S,
-                 catch_up_timeout_s: float = CATCH_UP_TIMEOUT_S, max_resends: int = MAX_RESENDS) -> None:
+                 catch_up_timeout_s: float = CATCH_UP_TIMEOUT_S, max_resends: int = MAX_RESENDS,
+                 update_needs_training: bool = False) -> None:
         if max_resends < 0:
             raise ValueError(f"max_resends must be >= 0, got {max_resends}")
         self.run_id, self.bus, self.policy = run_id, bus, policy
@@ -107,6 +110,10 @@ class LiveScheduler:
         self.tick_s, self.clock = tick_s, clock
         self.switch_timeout_s, self.catch_up_timeout_s = switch_timeout_s, catch_up_timeout_s
         self.max_resends = max_resends
+        # the core's trainer applies a step's update only while its cell trains: off for
+        # Gyre's trainer, which applies it in any role (services/trainer/gate.py), so the
+        # policy does not drain the core for an update (``Tick.update_needs_training``)
+        self.update_needs_training = update_needs_training
         self.fold = CellsFold()  # the state, and each cell's timeline (what a replay must rebuild)
         self.demand = Demand(groups_per_step=groups_per_step)
         self._to_send: dict[str, tuple[str, str]] = {}  # SwitchRequested id -> (cell, role), until read back
@@ -209,6 +216,10 @@ class LiveScheduler:
 
     async def tick(self) -> list[Any]:
         stats = await self.proxy_stats()
+        overdue = self.demand.expire(self.clock())
+        if overdue:  # e.g. a `gyre run` restarted mid-step: its runner died with these rollouts
+            log.warning("scheduler: %d rollout(s) still running in the log past their time limit (+%.0fs) no longer "
+                        "count in the water level, e.g. %s", len(overdue), ORPHAN_GRACE_S, overdue[0])
         cell_calls = {c["name"]: int(c.get("in_flight", 0)) for c in stats.get("cells", [])}
         running = sum(cell_calls.values())
         # The proxy holds no queue of its own: it hands every call to a cell at once, and calls
@@ -217,7 +228,8 @@ class LiveScheduler:
         tick = Tick(at=self.clock(), queued_calls=int(stats.get("queued", 0)), running_calls=running,
                     rollouts_between_calls=max(0, len(self.demand.running_rollouts) - running),
                     training_backlog=self.demand.backlog, update_pending=self.demand.update_pending,
-                    batch_ready=self.demand.batch_ready, cell_calls=cell_calls,
+                    batch_ready=self.demand.batch_ready, update_needs_training=self.update_needs_training,
+                    cell_calls=cell_calls,
                     busy_trainers=self.demand.busy_trainers)
         facts = decide(self.state, tick, self.policy)
         self.last_tick = tick
@@ -242,11 +254,14 @@ class LiveScheduler:
         """The step's update waits on the core; a silent core is not switched (the policies
         leave it alone until it is heard from): say so once each time it starts."""
         core = self.state.core
-        waits_on = core.name if tick.update_pending and core is not None and core.silent else None
+        waits_on = core.name if tick.update_waits_on_core and core is not None and core.held else None
         if waits_on is not None and waits_on != self._update_waits_on:
-            log.error("scheduler: the step's update waits on the core %s, which is silent (its agent answered none "
-                      "of its last switch's commands; it is %s in the log): no update until it is heard from",
-                      waits_on, core.phase.value if core is not None else "?")
+            silent = core is not None and core.silent
+            log.error("scheduler: the step's update waits on the core %s, which is %s; it is %s in the log): no "
+                      "update until it is %s", waits_on,
+                      "silent (its agent answered none of its last switch's commands" if silent
+                      else "unusable (its agent could not finish rolling back a failed switch",
+                      core.phase.value if core is not None else "?", "heard from" if silent else "repaired")
         elif waits_on is None and self._update_waits_on is not None:
             log.info("scheduler: the core %s is heard from again (or no update waits)", self._update_waits_on)
         self._update_waits_on = waits_on

@@ -12,7 +12,9 @@ so the core is not pulled in for an update (nor, under ``colocate``, every cell 
 batch) before all of them have started. ``GYRE_SCHEDULER_MAX_RESENDS`` (2): re-sends of a
 switch's command a hung cell agent may leave unanswered (each after the 300 s request
 timeout and as long again of silence) before the scheduler declares the switch failed on
-the cell's behalf (``live.py``).
+the cell's behalf (``live.py``). ``GYRE_SCHEDULER_UPDATE_NEEDS_TRAINING`` (0): 1 only for a
+core trainer that applies a step's update only while its cell trains (the elastic policy's
+first rule then pulls the core into training for it); Gyre's trainer applies it in any role.
 """
 
 from __future__ import annotations
@@ -88,7 +90,9 @@ async def scheduler_main(ctx: ServiceContext) -> None:
     live = LiveScheduler(run_id=settings.run_id, bus=ctx.runtime.bus, policy=policy_from_env(),
                          proxy_stats=proxy_stats, send_switch=send_switch,
                          tick_s=float(os.environ.get("GYRE_SCHEDULER_TICK_S", "2")),
-                         groups_per_step=int(groups) if groups else None, max_resends=max_resends)
+                         groups_per_step=int(groups) if groups else None, max_resends=max_resends,
+                         update_needs_training=os.environ.get("GYRE_SCHEDULER_UPDATE_NEEDS_TRAINING", "0").strip()
+                         in ("1", "true", "yes", "on"))
     ctx.health.ok(policy=live.policy.name)
 
     async def show() -> None:  # water level and roles for gyre up's live view

@@ -55,11 +55,12 @@ def phase_changes(before: SchedulerState, after: SchedulerState, at: float) -> l
 
 
 def state_digest(state: SchedulerState) -> str:
-    """Digest of what the schedule decided: each cell's phase, role counters, last failure
-    and silence (only when silent, so digests of logs without one are unchanged), and the
-    policy's pressure (times to the millisecond)."""
+    """Digest of what the schedule decided: each cell's phase, role counters, last failure,
+    silence and unusability (each only when set, so digests of logs without one are
+    unchanged), and the policy's pressure (times to the millisecond)."""
     data = {"cells": [[c.name, c.phase.value, c.capacity, c.is_core, round(c.since, 3), c.switches,
-                       c.last_failure, *(["silent"] if c.silent else [])] for c in state.cells],
+                       c.last_failure, *(["silent"] if c.silent else []), *(["unusable"] if c.unusable else [])]
+                      for c in state.cells],
             "pressure": state.pressure.value, "pressure_since": round(state.pressure_since, 3)}
     return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
 

@@ -7,7 +7,12 @@ and fails the first ``resume`` (an engine that cannot get its memory back).
 memory released. ``IdleWorker`` is the core trainer's micro-step worker (a GPU trainer on
 a CPU machine): it runs until paused. ``HangingRelease`` wraps the real engine control
 and hangs in ``release`` until woken (a cell agent stuck in a phase). ``SlowKvMover`` is
-the proxy's KV transfer port taking its time over each session (a slow network). Everything
+the proxy's KV transfer port taking its time over each session (a slow network).
+``ForgetfulEngine`` is an SGLang server on a GPU (``--enable-memory-saver`` without
+``--enable-weights-cpu-backup``): releasing its memory loses its weights' values, resuming
+gives the memory back, not the values, and it still reports the version it had; a tensor
+update makes it whole. ``PublishedWeights`` is the newest ``WeightsPublished`` and its
+blob. Everything
 else in these tests is real: the embedded engines, the proxy, NATS, the trainer's
 join/leave gate.
 """
@@ -15,6 +20,7 @@ join/leave gate.
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 
 class FailingSeat:
@@ -83,3 +89,40 @@ class SlowKvMover:
         self.started += 1
         await asyncio.sleep(self.delay_s)
         return 0
+
+
+class ForgetfulEngine:
+    def __init__(self, version: int = 0) -> None:
+        self.version, self.weights_valid, self.memory_released, self.pushes = version, True, False, []
+        self.client = self  # push_weights talks to the engine's client
+
+    async def release(self) -> None:
+        self.memory_released, self.weights_valid = True, False
+
+    async def resume(self) -> None:
+        self.memory_released = False  # the memory, not the values
+
+    async def released(self) -> list[str]:
+        return []  # SGLang's server_info does not say
+
+    async def weight_version(self) -> int:
+        return self.version
+
+    @asynccontextmanager
+    async def weight_update_window(self, weight_version=None):
+        yield
+
+    async def update_weights_from_tensor(self, serialized: str, *, weight_version=None) -> dict:
+        self.version, self.weights_valid = int(weight_version), not self.memory_released
+        self.pushes.append(self.version)
+        return {"success": True}
+
+
+class PublishedWeights:
+    def __init__(self, version: int) -> None:
+        self.version = version
+
+    async def newest(self):
+        import torch
+
+        return self.version, {"w": torch.zeros(2)}

@@ -6,8 +6,8 @@ see DESIGN.md "Contracts between services" for owners.
 
 from . import calls, cells, rollouts, runs, scores, training, trees  # noqa: F401  (registers)
 from .calls import CallRecorded, DriftClass, RequestRouted, SessionOpened, SessionRerouted
-from .cells import (CellRegistered, SwitchCompleted, SwitchFailed, SwitchPhaseEntered, SwitchRequested,
-                    WaterLevelSampled)
+from .cells import (CellRegistered, CellRepaired, SwitchCompleted, SwitchFailed, SwitchPhaseEntered,
+                    SwitchRequested, WaterLevelSampled)
 from .envelope import Context, Event, new_event_id, subject_token
 from .registry import EventDecodeError, decode, decode_dict, event_types, types_in, upcaster
 from .rollouts import RolloutFinished, RolloutStarted, RolloutTimedOut
@@ -17,7 +17,7 @@ from .training import MicroStepClaimed, MicroStepDone, StepApplied, WeightsPubli
 from .trees import ForkDetected, GroupQueued, MicroStepQueued, SamplesSelected, TreeSealed
 
 __all__ = [
-    "CallRecorded", "CellRegistered", "Context", "DriftClass", "Event", "EventDecodeError",
+    "CallRecorded", "CellRegistered", "CellRepaired", "Context", "DriftClass", "Event", "EventDecodeError",
     "ForkDetected", "GroupQueued", "MicroStepClaimed", "MicroStepDone", "MicroStepQueued", "RequestRouted",
     "RolloutFinished", "RolloutScored", "RolloutScoringFailed", "RolloutStarted",
     "RolloutTimedOut", "HeldoutEvaluated", "RunFinished", "RunStarted", "WarmStartCompleted", "SamplesSelected", "SessionOpened",

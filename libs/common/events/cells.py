@@ -58,6 +58,21 @@ class SwitchFailed(Event):
     # field existed (a reader without it forbids unknown fields), so the schema version
     # stays 1; one without it reads as False.
     declared_by_scheduler: bool = Field(default=False, exclude_if=lambda v: not v)
+    # written by the cell's agent: a step of its rollback failed (e.g. the engine would not
+    # resume), so the cell is in ``role`` but cannot do it (the proxy does not route to it)
+    # until a ``CellRepaired``. Written only when set, as ``declared_by_scheduler``.
+    unusable: bool = Field(default=False, exclude_if=lambda v: not v)
+
+
+@register
+class CellRepaired(Event):
+    """A cell left unusable by a failed rollback step (``SwitchFailed.unusable``) is whole
+    again in ``role``: its agent ran the steps left (and the proxy routes to it, if it serves)."""
+
+    CONTEXT = Context.CELLS
+    KEY = "cell"
+    cell: str = Field(min_length=1)
+    role: Role
 
 
 @register

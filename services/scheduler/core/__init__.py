@@ -9,6 +9,7 @@ from .baselines import AsyncPolicy, ColocatePolicy
 from .elastic import ElasticPolicy
 from .facts import (
     CellAdded,
+    CellRepaired,
     Fact,
     PhaseReached,
     Pressure,
@@ -23,7 +24,7 @@ from .policy import Policy, decide, water_level
 from .state import Cell, SchedulerState, evolve, evolve_all
 
 __all__ = [
-    "AsyncPolicy", "Cell", "CellAdded", "CellPhase", "ColocatePolicy", "ElasticPolicy", "Fact",
+    "AsyncPolicy", "Cell", "CellAdded", "CellPhase", "CellRepaired", "ColocatePolicy", "ElasticPolicy", "Fact",
     "IllegalTransition", "PhaseReached", "Policy", "Pressure", "Role", "SchedulerState",
     "SwitchAborted", "SwitchFinished", "SwitchStarted", "Tick", "WaterLevelObserved", "decide",
     "evolve", "evolve_all", "water_level",

@@ -39,12 +39,12 @@ class ColocatePolicy:
         if state.pressure is Pressure.RELEASE:
             if core is not None and core.phase is not CellPhase.INFERENCE and core.heading_to is not Role.TRAINING:
                 return []  # the core is still on its way back; start the group with it next tick
-            if core is not None and core.silent:
-                return []  # a silent core roots no training group: not until it is heard from
-            cells = ordered_for_training(c for c in state.in_phase(CellPhase.INFERENCE) if not c.silent)
+            if core is not None and core.held:
+                return []  # a silent or unusable core roots no training group: not until heard from or repaired
+            cells = ordered_for_training(c for c in state.in_phase(CellPhase.INFERENCE) if not c.held)
             return [start(c, Role.TRAINING, tick, "batch collected: all cells train", level) for c in cells]
         if state.pressure is Pressure.IDLE_TRAINERS:
-            cells = ordered_for_inference(c for c in state.in_phase(CellPhase.TRAINING) if not c.silent)
+            cells = ordered_for_inference(c for c in state.in_phase(CellPhase.TRAINING) if not c.held)
             # satellites that do not leave with this tick's switches (on their way in, or silent
             # where their seat may have joined): the core leaves last, so it waits for them
             staying = [c for c in state.training_satellites if c not in cells]
@@ -75,18 +75,18 @@ class AsyncPolicy:
         """Restore the fixed split (only needed after a failed switch or a late cell)."""
         toward = len(state.heading_to(Role.TRAINING))
         if toward < self.training_cells:
-            # silent cells are left out before the cut, so they take no slot
-            cells = ordered_for_training(c for c in state.in_phase(CellPhase.INFERENCE) if not c.silent)
+            # silent and unusable cells are left out before the cut, so they take no slot
+            cells = ordered_for_training(c for c in state.in_phase(CellPhase.INFERENCE) if not c.held)
             core = state.core
             if core is not None and core.heading_to is not Role.TRAINING and core not in cells:
                 return []
-            if core is not None and core.silent:
-                return []  # a silent core roots no training group: not until it is heard from
+            if core is not None and core.held:
+                return []  # a silent or unusable core roots no training group: not until heard from or repaired
             missing = cells[: self.training_cells - toward]
             return [start(c, Role.TRAINING, tick, "restore the fixed split") for c in missing]
         if toward > self.training_cells:
             cells = [c for c in ordered_for_inference(state.in_phase(CellPhase.TRAINING))
-                     if not c.is_core and not c.silent]
+                     if not c.is_core and not c.held]
             extra = cells[: toward - self.training_cells]
             return [start(c, Role.INFERENCE, tick, "restore the fixed split") for c in extra]
         return []

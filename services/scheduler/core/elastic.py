@@ -4,9 +4,12 @@ Rules, in order, each tick:
 
 1. The step's update waits on the core: if every micro-step of the step is done and the
    core serves inference, the core switches to training now (no hold, no dwell), as long
-   as ``min_inference_cells`` others serve without it. A silent core (its agent answered
-   none of its last switch's commands) is not switched: the update waits until it is
-   heard from, and the rules below go on for the other cells (``LiveScheduler`` logs it).
+   as ``min_inference_cells`` others serve without it. Only where the core applies updates
+   only while it trains (``Tick.update_needs_training``: the seed's core cell and the
+   simulator's model); Gyre's live trainer applies them in any role, so live this rule
+   is off. A silent or unusable core is not switched: the update waits until it is heard
+   from or repaired, and the rules below go on for the other cells (``LiveScheduler``
+   logs it).
 2. ``release``: training work waits and the water level fits in the serving cells minus
    one at ``low_watermark`` utilisation -> after ``hold_s`` one cell switches to training:
    the core first (it roots the training group), then the most idle satellite.
@@ -21,7 +24,7 @@ Hysteresis keeps cells from flapping: the watermarks leave a band (release at
 and every started switch restarts that clock; a cell keeps a role ``min_dwell_s``; at
 most ``max_switches_in_flight`` switches run at once.
 
-Silent cells (``Cell.silent``) are never candidates: they are left out before the
+Silent and unusable cells (``Cell.held``) are never candidates: they are left out before the
 candidates are cut to the switches wanted, so they take no slot. No satellite is released
 while the core is silent, and the core is not sent back to inference while a satellite is
 in the training group or silent where its seat may have joined (``Cell.may_train``); the
@@ -82,7 +85,7 @@ class ElasticPolicy:
     def switches(self, state: SchedulerState, tick: Tick, level: float) -> list[SwitchStarted]:
         out: list[SwitchStarted] = []
         core = state.core
-        if tick.update_pending and core is not None and core.phase is CellPhase.INFERENCE and not core.silent:
+        if tick.update_waits_on_core and core is not None and core.phase is CellPhase.INFERENCE and not core.held:
             others_serving = sum(1 for c in state.serving if not c.is_core)
             if others_serving >= self.min_inference_cells:  # else: once a returning cell serves
                 out.append(start(core, Role.TRAINING, tick, "core applies the step's update", level))
@@ -123,7 +126,7 @@ class ElasticPolicy:
         return min(ready, key=lambda c: (tick.cell_calls.get(c.name, 0), c.name), default=None)
 
     def _reclaimable(self, state: SchedulerState, tick: Tick) -> list[Cell]:
-        training = [c for c in state.in_phase(CellPhase.TRAINING) if not c.silent and self._dwelt(c, tick)]
+        training = [c for c in state.in_phase(CellPhase.TRAINING) if not c.held and self._dwelt(c, tick)]
         satellites = [c for c in training if not c.is_core]
         # idle first, then the one whose micro-step ends soonest, then the latest to join
         left = tick.micro_step_left_s
@@ -138,7 +141,7 @@ def _returning_capacity(state: SchedulerState) -> int:
 
 def _idle_trainers(state: SchedulerState, tick: Tick) -> list[Cell]:
     """Training cells with nothing to claim; the core only once it trains alone."""
-    idle = [c for c in state.in_phase(CellPhase.TRAINING) if c.name not in tick.busy_trainers and not c.silent]
+    idle = [c for c in state.in_phase(CellPhase.TRAINING) if c.name not in tick.busy_trainers and not c.held]
     satellites = sorted((c for c in idle if not c.is_core), key=lambda c: c.name)
     if satellites or state.training_satellites:
         return satellites

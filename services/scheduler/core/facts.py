@@ -39,6 +39,13 @@ class Tick:
     ``busy_trainers`` are training cells working on a micro-step; ``micro_step_left_s``
     (optional) estimates the seconds each has left, so a reclaim picks the one that frees
     soonest.
+
+    ``update_needs_training`` says how the core applies a step's update: only while it
+    trains (the seed's core cell, and the simulator's model: ``sim.engine`` applies it only
+    with the core in training), or in any role (the live trainer, which applies each step's
+    update whatever its cell does: ``services/trainer/gate.py``). Only in the first case
+    does a pending update want training: the elastic policy's first rule pulls the core in
+    for it; otherwise moving the core would drain it for nothing.
     """
 
     at: float
@@ -48,13 +55,19 @@ class Tick:
     training_backlog: int = 0  # micro-steps claimable now
     update_pending: bool = False  # the step's micro-steps are done; the core must apply it
     batch_ready: bool = False  # the step's whole batch is collected (colocate's trigger)
+    update_needs_training: bool = True  # the core applies an update only while it trains
     cell_calls: Mapping[str, int] = field(default_factory=lambda: _EMPTY)
     busy_trainers: frozenset[str] = frozenset()
     micro_step_left_s: Mapping[str, float] = field(default_factory=lambda: _NO_TIMES)
 
     @property
     def training_wanted(self) -> bool:
-        return self.training_backlog > 0 or self.update_pending
+        return self.training_backlog > 0 or self.update_waits_on_core
+
+    @property
+    def update_waits_on_core(self) -> bool:
+        """A step's update is pending and only a core in training applies it."""
+        return self.update_pending and self.update_needs_training
 
 
 @dataclass(frozen=True)
@@ -119,6 +132,19 @@ class SwitchAborted:
     at: float
     declared: bool = False
     causation: str | None = field(default=None, compare=False)  # SwitchFailed.causation_id
+    # the cell's agent says a step of its rollback failed: it is in ``role`` but cannot do
+    # it (``Cell.unusable``) until it reports :class:`CellRepaired`. In a schedule's digest
+    # only when set (``sim.report.schedule_digest``).
+    unusable: bool = field(default=False, metadata={"digest": "if set"})
+
+
+@dataclass(frozen=True)
+class CellRepaired:
+    """A cell left unusable by a failed rollback step is whole again in ``role``."""
+
+    cell: str
+    role: Role
+    at: float
 
 
 @dataclass(frozen=True)
@@ -134,4 +160,4 @@ class WaterLevelObserved:
     smoothed: float = 0.0  # the level the policy acted on (time-smoothed)
 
 
-Fact = CellAdded | SwitchStarted | PhaseReached | SwitchFinished | SwitchAborted | WaterLevelObserved
+Fact = CellAdded | SwitchStarted | PhaseReached | SwitchFinished | SwitchAborted | CellRepaired | WaterLevelObserved

@@ -80,7 +80,8 @@ def smooth(state: SchedulerState, raw: float, at: float, tau_s: float) -> float:
 
 def serving_capacity(state: SchedulerState) -> int:
     """Calls the cells in inference serve at once; a silent cell (its agent stopped
-    answering half-way through a switch) is not counted: its engine may be released."""
+    answering half-way through a switch) is not counted: its engine may be released; nor is
+    an unusable one (its rollback failed: the proxy does not route to it)."""
     return sum(c.capacity for c in state.serving)
 
 
@@ -112,8 +113,10 @@ def decide(state: SchedulerState, tick: Tick, policy: Policy) -> list[Fact]:
         if cell.last_failure is not None and tick.at - cell.since < RETRY_AFTER_FAILURE_S:
             held_back = True  # its last switch failed just now: do not drain it again every tick
             continue
-        if cell.silent:
-            held_back = True  # its agent never answered the last command: not until it is heard from
+        if cell.held:
+            # silent (its agent never answered the last command: not until it is heard from) or
+            # unusable (its agent refuses every switch until it is repaired)
+            held_back = True
             continue
         try:
             current = evolve(current, switch)  # each decision sees the ones before it

@@ -43,6 +43,14 @@ the same switches:
   its word, inside a group the core still roots.
 - a silent core roots no new training group: no satellite may start toward training
   while the core is silent, whatever role the declaration left it in.
+
+A cell whose agent rolled a failed switch back and could not finish the rollback (its
+engine would not resume, its seat would not join again) reports it:
+``SwitchAborted(unusable=True)``, and so does every command it refuses meanwhile. The
+cell is in the role it reports but *unusable* (``Cell.unusable``): like a silent cell it
+is not counted as serving, no switch is started for it, and an unusable core roots no new
+training group, until the agent reports :class:`CellRepaired` (or registers again after a
+restart). Its proxy does not route to it meanwhile, so the fold is what the proxy does.
 """
 
 from __future__ import annotations
@@ -51,6 +59,7 @@ from dataclasses import dataclass, replace
 
 from .facts import (
     CellAdded,
+    CellRepaired,
     Fact,
     PhaseReached,
     Pressure,
@@ -89,6 +98,15 @@ class Cell:
     # id of the SwitchRequested of the cell's current (or last) switch, when read from the
     # log: a declaration naming another one is void. Not in the state digest.
     request: str | None = None
+    # its agent could not finish rolling a failed switch back (SwitchAborted.unusable): in
+    # its role but unable to do it until it reports CellRepaired. In the digest only when set.
+    unusable: bool = False
+
+    @property
+    def held(self) -> bool:
+        """Not to be counted on nor switched: silent (nothing heard since a declaration) or
+        unusable (its agent says it cannot do its role until repaired)."""
+        return self.silent or self.unusable
 
     @property
     def owns_optimizer(self) -> bool:
@@ -138,8 +156,8 @@ class SchedulerState:
 
     @property
     def serving(self) -> tuple[Cell, ...]:
-        """Cells in inference that can be counted on to serve (not silent)."""
-        return tuple(c for c in self.cells if c.phase is CellPhase.INFERENCE and not c.silent)
+        """Cells in inference that can be counted on to serve (neither silent nor unusable)."""
+        return tuple(c for c in self.cells if c.phase is CellPhase.INFERENCE and not c.held)
 
     def heading_to(self, role: Role) -> tuple[Cell, ...]:
         return tuple(c for c in self.cells if c.heading_to is role)
@@ -156,9 +174,9 @@ class SchedulerState:
     @property
     def training_group_open(self) -> bool:
         """A satellite may start toward training: the core is in or heading to training
-        and is not silent (a silent core roots no new training group)."""
+        and is neither silent nor unusable (such a core roots no new training group)."""
         core = self.core
-        return core is not None and core.heading_to is Role.TRAINING and not core.silent
+        return core is not None and core.heading_to is Role.TRAINING and not core.held
 
     def pressure_held(self, at: float) -> float:
         """Seconds the current pressure has lasted (0 while steady)."""
@@ -187,8 +205,9 @@ def evolve_all(state: SchedulerState, facts: list[Fact] | tuple[Fact, ...]) -> S
 
 
 def _heard(cell: Cell, **changes: object) -> Cell:
-    """The cell with ``changes``, its own word heard: no longer silent."""
-    return replace(cell, silent=False, silent_in=None, **changes)  # type: ignore[arg-type]
+    """The cell with ``changes``, its own word heard: no longer silent (nor unusable: an
+    agent that cannot do its role refuses every switch, saying so, until repaired)."""
+    return replace(cell, **{"silent": False, "silent_in": None, "unusable": False, **changes})  # type: ignore[arg-type]
 
 
 def _put(state: SchedulerState, cell: Cell) -> SchedulerState:
@@ -236,10 +255,15 @@ def _switch_started(state: SchedulerState, fact: SwitchStarted) -> SchedulerStat
     cell = state.cell(fact.cell)
     phase = check_switch_start(cell.name, cell.phase, fact.to_role)
     if fact.to_role is Role.TRAINING and not cell.is_core and not state.training_group_open:
-        if _core_toward_training(state):
+        if _core_toward_training(state) and state.core is not None and state.core.silent:
             raise IllegalTransition(
                 f"cell {cell.name}: a satellite cannot move to training while the core cell is silent "
                 "(its agent answered none of its last switch's commands)"
+            )
+        if _core_toward_training(state):
+            raise IllegalTransition(
+                f"cell {cell.name}: a satellite cannot move to training while the core cell is unusable "
+                "(its agent could not finish rolling back a failed switch)"
             )
         raise IllegalTransition(
             f"cell {cell.name}: a satellite cannot move to training while the core cell "
@@ -288,9 +312,11 @@ def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerStat
     if fact.declared and None not in (fact.causation, cell.request) and fact.causation != cell.request:
         return state  # a late declaration for an older switch of the cell's: void for this one
     if cell.silent and not fact.declared:  # its agent woke up and reports where it rolled back to
-        return _put(state, _heard(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason))
+        return _put(state, _heard(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason,
+                                  unusable=fact.unusable))
     if fact.phase is None:  # refused before any phase: the cell's own word on its role stands
-        return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason))
+        return _put(state, replace(cell, phase=STABLE_PHASE[fact.role], since=fact.at, last_failure=fact.reason,
+                                   unusable=fact.unusable))
     if fact.phase is not cell.phase and fact.phase not in passed_on_path(cell.phase):
         raise IllegalTransition(
             f"cell {cell.name}: failure reported in {fact.phase.value} but the cell is {cell.phase.value}"
@@ -299,7 +325,16 @@ def _switch_aborted(state: SchedulerState, fact: SwitchAborted) -> SchedulerStat
     if fact.declared:
         return _put(state, replace(cell, phase=phase, since=fact.at, last_failure=fact.reason, silent=True,
                                    silent_in=cell.phase))
-    return _put(state, _heard(cell, phase=phase, since=fact.at, last_failure=fact.reason))
+    return _put(state, _heard(cell, phase=phase, since=fact.at, last_failure=fact.reason, unusable=fact.unusable))
+
+
+def _cell_repaired(state: SchedulerState, fact: CellRepaired) -> SchedulerState:
+    """The agent finished the rollback steps left: the cell does its role again (the role
+    and the time of its last switch stand; a repair is no switch)."""
+    cell = state.cell(fact.cell)
+    if cell.phase is not STABLE_PHASE[fact.role]:
+        raise IllegalTransition(f"cell {cell.name}: repaired as {fact.role.value} but the cell is {cell.phase.value}")
+    return _put(state, _heard(cell))  # the cell's own word: not silent either
 
 
 def _water_level_observed(state: SchedulerState, fact: WaterLevelObserved) -> SchedulerState:
@@ -314,5 +349,6 @@ _HANDLERS = {
     PhaseReached: _phase_reached,
     SwitchFinished: _switch_finished,
     SwitchAborted: _switch_aborted,
+    CellRepaired: _cell_repaired,
     WaterLevelObserved: _water_level_observed,
 }

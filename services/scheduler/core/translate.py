@@ -13,6 +13,8 @@ starts at ``origin`` (a fixed date, so simulated logs are reproducible).
   marker is in the log, so a replay reads it too. Its ``causation_id`` (the request of the
   switch it gives up on) reads as ``SwitchAborted.causation``; a ``SwitchRequested``'s
   ``event_id`` reads as ``SwitchStarted.request``, so the fold matches the two.
+- ``SwitchFailed.unusable`` (the agent could not finish rolling back) reads as
+  ``SwitchAborted.unusable``; ``CellRepaired`` (event) <-> ``CellRepaired`` (fact).
 - ``WaterLevelObserved`` <-> ``WaterLevelSampled`` with the policy's ``pressure``,
   ``smoothed_level`` and ``training_backlog``, so a replay rebuilds the hysteresis state
   exactly. Events written without them read as ``steady``, the raw level and 0.
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime, timedelta
 
+from libs.common.events.cells import CellRepaired as CellRepairedEvent
 from libs.common.events.cells import (
     CellRegistered,
     SwitchCompleted,
@@ -34,6 +37,7 @@ from libs.common.events.envelope import Event
 
 from .facts import (
     CellAdded,
+    CellRepaired,
     Fact,
     PhaseReached,
     Pressure,
@@ -78,7 +82,10 @@ def to_event(
         return SwitchFailed(cell=fact.cell, role=fact.role.value,
                             phase=REFUSED if fact.phase is None else fact.phase.value,
                             reason=declared_reason(fact.reason) if fact.declared else fact.reason,
-                            declared_by_scheduler=fact.declared, causation_id=fact.causation, **env)
+                            declared_by_scheduler=fact.declared, causation_id=fact.causation,
+                            unusable=fact.unusable, **env)
+    if isinstance(fact, CellRepaired):
+        return CellRepairedEvent(cell=fact.cell, role=fact.role.value, **env)
     if isinstance(fact, WaterLevelObserved):
         by_role = state.roles_count() if state is not None else {}
         return WaterLevelSampled(level=fact.level, inference_capacity=fact.inference_capacity,
@@ -106,7 +113,10 @@ def from_event(event: Event, *, origin: datetime = EPOCH) -> Fact | None:
     if isinstance(event, SwitchFailed):
         phase = None if event.phase == REFUSED else CellPhase(event.phase)
         return SwitchAborted(cell=event.cell, role=Role(event.role), phase=phase, reason=event.reason, at=at,
-                             declared=event.declared_by_scheduler, causation=event.causation_id)
+                             declared=event.declared_by_scheduler, causation=event.causation_id,
+                             unusable=event.unusable)
+    if isinstance(event, CellRepairedEvent):
+        return CellRepaired(cell=event.cell, role=Role(event.role), at=at)
     if isinstance(event, WaterLevelSampled):
         return WaterLevelObserved(
             at=at, level=event.level, inference_capacity=event.inference_capacity,

@@ -232,6 +232,7 @@ class ClusterSim:
             rollouts_between_calls=max(0, self.unfinished - running - queued),
             training_backlog=len(self.steps.claimable),
             update_pending=self.steps.update_pending,
+            update_needs_training=True,  # the simulated core applies an update only in training (_drive_training)
             batch_ready=self.steps.batch_ready,
             cell_calls=self.pool.calls_by_cell(),
             busy_trainers=frozenset(busy),

@@ -73,11 +73,14 @@ def _canon(value: Any) -> str:
 def schedule_digest(facts: tuple[Fact, ...] | list[Fact]) -> str:
     """sha256 over every fact, fields in order, floats to the microsecond; the log ids a
     fact carries (fields outside its equality: which request it answers) are left out, as
-    they say nothing of the schedule."""
+    they say nothing of the schedule, and so are fields added later that are marked
+    ``metadata={"digest": "if set"}`` while they have their default (digests of schedules
+    without them stay what they were)."""
     h = hashlib.sha256()
     for fact in facts:
         parts = [type(fact).__name__] + [
-            f"{f.name}={_canon(getattr(fact, f.name))}" for f in dataclasses.fields(fact) if f.compare
+            f"{f.name}={_canon(getattr(fact, f.name))}" for f in dataclasses.fields(fact)
+            if f.compare and not (f.metadata.get("digest") == "if set" and getattr(fact, f.name) == f.default)
         ]
         h.update(("|".join(parts) + "\n").encode())
     return h.hexdigest()
