@@ -23,8 +23,9 @@ from .kv_cache import PrefixKVCache
 from .metrics import EngineMetrics
 from .model_runner import ForwardItem, KVBuffer, ModelRunner
 from .params import InvalidRequest, SamplingParams, check_context_budget, check_input_ids
-from .sampler import SampleSpec, new_generator, sample
-from .scheduler import PauseMode, Scheduler, Sequence, banned_before_min_tokens, check_stop, trim_stop_text
+from .sampler import SampleSpec, sample
+from .scheduler import (PauseMode, Scheduler, Sequence, banned_before_min_tokens, check_stop, trim_stop_text,
+                        worst_case_tokens)
 from .settings import EngineSettings
 
 log = logging.getLogger(__name__)
@@ -65,12 +66,16 @@ class _Live:
     """What the engine thread keeps beside a pure Sequence."""
 
     subscriber: Subscriber
-    generator: Any
     started: float
     kv: KVBuffer | None = None
     # Engine.weight_generation when ``kv`` was attached: KV computed (even partly) under
     # older weights never goes back to the prefix cache.
     kv_generation: int = 0
+    # streaming: the text decoded so far, and output_ids[prefix_offset:read_offset], the
+    # tokens decoded again as context for the next ones (see Engine._stream_text)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
 
 
 @dataclass
@@ -177,7 +182,7 @@ class Engine:
                 raise MemoryReleased(f"memory released ({', '.join(sorted(self.released))}); resume first")
             if seq.rid in self._live:
                 raise InvalidRequest(f"rid {seq.rid!r} is already in flight")
-            self._live[seq.rid] = _Live(subscriber, new_generator(seq.params.sampling_seed), time.monotonic())
+            self._live[seq.rid] = _Live(subscriber, time.monotonic())
             self.scheduler.add(seq)
 
         try:
@@ -293,8 +298,10 @@ class Engine:
         for feed in feeds:
             feed.seq.kv_len = self._live[feed.seq.rid].kv.length
         sampling = [feed.seq for feed in feeds if feed.samples]
-        specs = [SampleSpec(s.params, s.return_logprob, self._live[s.rid].generator, s.top_logprobs_num,
-                            banned_before_min_tokens(s)) for s in sampling]
+        # a seeded pick's noise comes from (seed, output position), so a redo below or another
+        # batch composition never shifts a request's later draws
+        specs = [SampleSpec(s.params, s.return_logprob, None, s.top_logprobs_num,
+                            banned_before_min_tokens(s), step=len(s.output_ids)) for s in sampling]
         try:
             picks = list(zip(*sample(logits, specs, self.vocab_limit)))  # on this thread's one thread (see _run)
         except Exception:  # one row's parameters must not end the others: redo row by row
@@ -326,7 +333,8 @@ class Engine:
             self._complete(seq)
             return
         ids = seq.all_ids
-        live.kv = self.runner.new_kv(len(ids) + min(seq.params.max_new_tokens, 512))
+        live.kv = self.runner.new_kv(len(ids) + min(seq.params.max_new_tokens, 512),
+                                     limit=worst_case_tokens(seq, self.max_context))
         live.kv_generation = self.weight_generation
         cached = self.prefix_cache.attach_prefix(ids, live.kv)
         seq.kv_len = cached
@@ -343,13 +351,27 @@ class Engine:
             seq.output_logprobs.append(float(logprob))
         if not seq.version_spans or seq.version_spans[-1][1] != self.weight_version:
             seq.version_spans.append((len(seq.output_ids) - 1, self.weight_version))
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+        # stop strings are matched with special tokens kept (as SGLang), whatever the output shows
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)
         reason = check_stop(seq, token, decode, self.max_context)
         if reason is not None:
             self.scheduler.finish(seq, reason)
             self._complete(seq)
-        elif self._live[seq.rid].subscriber.stream:
-            self._live[seq.rid].subscriber.post(self.snapshot(seq), final=False)
+        elif (live := self._live[seq.rid]).subscriber.stream:
+            live.subscriber.post(self.snapshot(seq, text=self._stream_text(seq, live)), final=False)
+
+    def _stream_text(self, seq: Sequence, live: _Live) -> str:
+        """The output's text for a streamed snapshot, decoded incrementally: only the tokens
+        since the last complete character, plus a few before them as context (a whole decode
+        each token made a stream quadratic in its length). Bytes of a character still
+        incomplete are held back until it is. The final snapshot decodes the whole output."""
+        ids, skip = seq.output_ids, seq.params.skip_special_tokens
+        before = self.tokenizer.decode(ids[live.prefix_offset:live.read_offset], skip_special_tokens=skip)
+        upto = self.tokenizer.decode(ids[live.prefix_offset:], skip_special_tokens=skip)
+        if len(upto) > len(before) and not upto.endswith("\ufffd"):
+            live.text += upto[len(before):]
+            live.prefix_offset, live.read_offset = live.read_offset, len(ids)
+        return live.text
 
     def _complete(self, seq: Sequence) -> None:
         live = self._live.pop(seq.rid, None)
@@ -371,9 +393,11 @@ class Engine:
         seq.kv_len = 0
 
     # -- responses ---------------------------------------------------------------------
-    def snapshot(self, seq: Sequence, started: float | None = None) -> dict:
-        """The SGLang-shaped response for ``seq`` as it stands."""
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+    def snapshot(self, seq: Sequence, started: float | None = None, text: str | None = None) -> dict:
+        """The SGLang-shaped response for ``seq`` as it stands (``text``: its output's text,
+        when the caller has it)."""
+        if text is None:
+            text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
         text = trim_stop_text(text, seq.stop_text, seq.params.no_stop_trim)
         if started is None:
             live = self._live.get(seq.rid)

@@ -66,7 +66,7 @@ def create_app(settings: EngineSettings, *, engine: Engine, weights: WeightManag
 def _serving_routes(app: FastAPI, settings: EngineSettings, engine: Engine) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
-        return await _generate(engine, await _json_body(request))
+        return await _generate(engine, await _json_body(request), request)
 
     @app.get("/health")
     async def health() -> Response:
@@ -263,7 +263,7 @@ def _memory_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin) 
         return {"success": True, "message": f"resumed {', '.join(tags)}"}
 
 
-async def _generate(engine: Engine, body: dict) -> Response:
+async def _generate(engine: Engine, body: dict, request: Request | None = None) -> Response:
     try:
         req = GenerateRequest.model_validate(body)
     except ValueError as exc:
@@ -293,15 +293,39 @@ async def _generate(engine: Engine, body: dict) -> Response:
             engine.call(lambda: engine.abort([seq.rid for seq in seqs[:len(subscribers)]], "batch refused"))
         raise
     finals: list[dict] = []
-    try:
+
+    async def collect() -> None:
         for subscriber in subscribers:
             async for snapshot, _ in subscriber.updates():
                 finals.append(snapshot)
+
+    # Starlette does not cancel a handler whose client leaves: watch the connection meanwhile
+    waiters = [asyncio.ensure_future(collect())]
+    if request is not None:
+        waiters.append(asyncio.ensure_future(_disconnected(request)))
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        if waiters[0].done():
+            waiters[0].result()  # raises what collecting raised
     finally:
-        if len(finals) < len(seqs):  # the client went away (cancelled): stop spending compute on it
+        for waiter in waiters:
+            waiter.cancel()
+        if len(finals) < len(seqs):  # the client went away (or cancelled): stop spending compute on it
             unfinished = [seq.rid for seq in seqs[len(finals):]]
             engine.call(lambda: engine.abort(unfinished, "client disconnected"))
+    if len(finals) < len(seqs):
+        return Response(status_code=499)  # nobody reads it: the connection is closed
     return JSONResponse(finals if batched else finals[0])
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (the body was read already, so
+    the next ASGI message is ``http.disconnect``)."""
+    try:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+    except Exception:  # a broken receive channel: the client is as good as gone
+        return
 
 
 async def _stream(engine: Engine, seq, subscriber):

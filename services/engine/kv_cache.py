@@ -56,10 +56,21 @@ class PrefixKVCache:
         return matched, torch.cat(blocks, dim=3)
 
     def import_(self, tokens: list[int], kv: torch.Tensor) -> int:
+        """Adds an imported prefix; returns how many new tokens the cache still holds after
+        the insert (0 when it did not fit: what went in was evicted at once)."""
         expected = (self.shape.layers, 2, self.shape.kv_heads, len(tokens), self.shape.head_dim)
         if tuple(kv.shape) != expected or kv.dtype != torch.float32:
             raise ValueError(f"KV must be float32 {expected}, got {kv.dtype} {tuple(kv.shape)}")
-        return self.tree.insert(tokens, lambda start, end: kv[:, :, :, start:end].clone())
+        return self._kept(tokens, self.tree.insert(tokens, lambda start, end: kv[:, :, :, start:end].clone()))
+
+    def held(self, tokens: list[int]) -> int:
+        """Leading tokens of ``tokens`` whose KV the cache holds now."""
+        return self.tree.held(tokens)
+
+    def _kept(self, tokens: list[int], added: int) -> int:
+        # An insert longer than the cap (or than what eviction can free) is evicted at once:
+        # the new tokens are a leaf with the newest access, so they stay whole or go whole.
+        return added if self.tree.held(tokens) == len(tokens) else 0
 
     def flush(self) -> None:
         self.tree.clear()

@@ -47,6 +47,7 @@ from .client import CellError, EngineClient
 from .engine import MemoryReleased
 from .engine import Engine
 from .http_body import json_body
+from .kv_transfer import import_answer
 from .params import InvalidRequest
 
 log = logging.getLogger(__name__)
@@ -137,19 +138,19 @@ class KVPort:
         moved = time.perf_counter() - started
         engine = self.engine
 
-        def apply() -> int:
+        def apply() -> dict:
             if "kv_cache" in engine.released:  # the cell went to training meanwhile
                 raise MemoryReleased("the KV cache's memory is released; resume it before importing a prefix")
             if engine.weight_version != peer.meta.get("weight_version"):  # an update landed meanwhile
                 raise InvalidRequest("weight version changed during the transfer; KV not imported")
             try:
-                return engine.prefix_cache.import_(ids, kv)
+                added = engine.prefix_cache.import_(ids, kv)
             except ValueError as exc:
                 raise InvalidRequest(str(exc)) from None
+            return import_answer(engine, ids, added)  # what the cache kept, not what arrived
 
-        added = await engine.acall(apply)
-        return {"success": True, "added_tokens": added, "tokens": len(ids), "bytes": kv.numel() * 4,
-                "backend": peer.backend, "transfer_s": moved}
+        answer = await engine.acall(apply)
+        return {**answer, "bytes": kv.numel() * 4, "backend": peer.backend, "transfer_s": moved}
 
     def release(self, lease: str) -> bool:
         with self._lock:
@@ -304,7 +305,10 @@ class PortCellClient:
         return await self._post("/gyre/kv/port/offer", {"input_ids": input_ids, "checksums": checksums})
 
     async def kv_fetch(self, offer: dict[str, Any], *, verify: bool | None = None, timeout_s: float = 60.0) -> dict:
-        return await self._post("/gyre/kv/port/fetch", {"offer": offer, "verify": verify, "timeout_s": timeout_s})
+        answer = await self._post("/gyre/kv/port/fetch", {"offer": offer, "verify": verify, "timeout_s": timeout_s})
+        if answer.get("success") is False:  # moved but not kept: migrate_session must not count it
+            raise CellError(200, answer.get("message") or "the target kept none of the KV")
+        return answer
 
     async def kv_release(self, lease: str) -> None:
         await self._post("/gyre/kv/port/release", {"lease": lease})

@@ -32,8 +32,25 @@ def export_prefix(engine: Engine, input_ids: list[int]) -> bytes:
 
 
 def import_prefix(engine: Engine, blob: bytes) -> int:
-    """Engine thread: adds an exported prefix to the cache; returns the new token count.
+    """Engine thread: adds an exported prefix to the cache; returns the new token count the
+    cache still holds (0 when the prefix does not fit: it was evicted at once).
     Refused while the KV cache's memory is released (a cell lent to training)."""
+    return import_answer(engine, *_import(engine, blob))["added_tokens"]
+
+
+def import_answer(engine: Engine, ids: list[int], added: int) -> dict:
+    """Engine thread, right after an import of ``ids``: what the cache kept of it. ``success``
+    only when it holds the whole prefix (already there counts), so a migration that keeps
+    nothing is not reported as one."""
+    held = engine.prefix_cache.held(ids) if ids else 0
+    answer = {"success": held == len(ids), "added_tokens": added, "tokens": len(ids), "cached_tokens": held}
+    if held < len(ids):
+        answer["message"] = (f"KV prefix of {len(ids)} tokens not kept: this cell's prefix cache holds "
+                             f"{engine.prefix_cache.capacity_tokens} tokens at most; nothing imported")
+    return answer
+
+
+def _import(engine: Engine, blob: bytes) -> tuple[list[int], int]:
     from safetensors.torch import load
 
     if "kv_cache" in engine.released:
@@ -50,9 +67,9 @@ def import_prefix(engine: Engine, blob: bytes) -> int:
             f"KV is from weight version {meta.get('weight_version')!r}, this cell runs {engine.weight_version!r}"
         )
     if not ids:
-        return 0
+        return ids, 0
     try:
-        return engine.prefix_cache.import_(ids, kv)
+        return ids, engine.prefix_cache.import_(ids, kv)
     except ValueError as exc:
         raise InvalidRequest(str(exc)) from None
 
@@ -76,8 +93,7 @@ def add_routes(app: FastAPI, engine: Engine, admin) -> None:
     @app.post("/gyre/kv/import", dependencies=[admin])
     async def kv_import(request: Request) -> dict:
         blob = await request.body()
-        added = await engine.acall(lambda: import_prefix(engine, blob))
-        return {"success": True, "added_tokens": added}
+        return await engine.acall(lambda: import_answer(engine, *_import(engine, blob)))
 
 
 def kv_tensor_shape(engine: Engine, tokens: int) -> tuple[int, ...]:

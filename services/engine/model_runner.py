@@ -134,9 +134,15 @@ class _Layer:
 class KVBuffer:
     """The KV of one sequence: ``data[layer, 0|1, kv_head, position, dim]``."""
 
-    def __init__(self, shape: ModelShape, capacity: int) -> None:
+    def __init__(self, shape: ModelShape, capacity: int, limit: int | None = None) -> None:
         self.shape = shape
-        self.data = torch.empty(shape.layers, 2, shape.kv_heads, max(capacity, 16), shape.head_dim)
+        # the most this sequence will hold (its admitted worst case, prompt + max_new_tokens):
+        # growth by doubling stops there, so running KV stays within what admission counted
+        self.limit = limit
+        capacity = max(capacity, 16)
+        if limit is not None:
+            capacity = max(1, min(capacity, limit))
+        self.data = torch.empty(shape.layers, 2, shape.kv_heads, capacity, shape.head_dim)
         self.length = 0
 
     def reserve(self, needed: int) -> None:
@@ -144,6 +150,8 @@ class KVBuffer:
         if needed <= cap:
             return
         new_cap = max(needed, cap * 2)
+        if self.limit is not None:
+            new_cap = max(needed, min(new_cap, self.limit))
         grown = torch.empty(*self.data.shape[:3], new_cap, self.data.shape[4])
         grown[:, :, :, : self.length] = self.data[:, :, :, : self.length]
         self.data = grown
@@ -223,8 +231,8 @@ class ModelRunner:
         model = AutoModelForCausalLM.from_pretrained(str(location.folder), **kwargs)
         return cls(model, location)
 
-    def new_kv(self, capacity: int) -> KVBuffer:
-        return KVBuffer(self.shape, capacity)
+    def new_kv(self, capacity: int, limit: int | None = None) -> KVBuffer:
+        return KVBuffer(self.shape, capacity, limit)
 
     # -- forward ---------------------------------------------------------------------
     @torch.inference_mode()

@@ -67,6 +67,20 @@ class RadixCache(Generic[V]):
             node = child
         return pos, values
 
+    def held(self, tokens: Sequence[int]) -> int:
+        """How many leading tokens of ``tokens`` the tree holds (changes nothing: no split, no LRU touch)."""
+        node, pos = self._root, 0
+        while pos < len(tokens):
+            child = node.children.get(tokens[pos])
+            if child is None:
+                break
+            shared = _common_length(child.key, tokens, pos, len(tokens))
+            pos += shared
+            if shared < len(child.key):
+                break
+            node = child
+        return pos
+
     def node_count(self) -> int:
         return sum(1 for _ in self._walk()) - 1
 

@@ -4,8 +4,14 @@ Logprobs are those of the distribution the token was drawn from before truncatio
 softmax of the logits divided by ``params.logprob_temperature`` (the request's temperature;
 1.0 below the greedy threshold, as SGLang, so a ``top_k`` 1 pick at temperature 0.7 has
 the 0.7-tempered logprob). The trainer scores tokens under the same temperature
-(``CallRecorded.logprob_temperature``). Each seeded request owns a ``torch.Generator``, so
-its samples do not depend on what else shares the batch.
+(``CallRecorded.logprob_temperature``).
+
+A seeded request's pick at output position ``k`` uses noise derived from ``(seed, k)`` and
+the token id alone (:func:`_step_key`, :func:`_seeded_gumbel`), never from a stream that
+earlier picks advanced: a draw depends only on the seed, the position and the distribution.
+Batch composition and prefix-cache hits move logits in their last bits; that changes a pick
+only when it sits on an edge (two candidates' noisy scores within rounding, or a token on
+the top-p / min-p boundary being picked), and later picks do not fall out of step then.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .params import SamplingParams
@@ -25,9 +32,12 @@ class SampleSpec:
     generator: torch.Generator | None
     top_n: int = 0  # also return the n most likely tokens' logprobs
     banned: tuple[int, ...] = ()  # ids this pick may not be (stop/EOS ids before min_new_tokens)
+    step: int = 0  # output position of this pick (tokens the request produced before it); seeds its noise
 
 
 def new_generator(seed: int | None) -> torch.Generator | None:
+    """A stateful stream for unseeded callers that want one (tests); seeded requests need
+    none: their noise comes from ``(params.sampling_seed, spec.step)``."""
     if seed is None:
         return None
     gen = torch.Generator()
@@ -113,9 +123,50 @@ def _draw(scaled: torch.Tensor, spec: SampleSpec) -> int:
         candidates, ids = _top_p(candidates, ids, params.top_p)
     if not bool(torch.isfinite(candidates).any()):
         raise ValueError("no finite logits to sample from")
-    noise = torch.rand(candidates.shape[0], generator=spec.generator).clamp_(min=1e-20)
-    pick = int(torch.argmax(candidates - torch.log(-torch.log(noise))))
+    seed = params.sampling_seed
+    if seed is None:
+        noise = torch.rand(candidates.shape[0], generator=spec.generator).clamp_(min=1e-20)
+        pick = int(torch.argmax(candidates - torch.log(-torch.log(noise))))
+    elif ids is None:  # no cut: one uniform per token id from a generator seeded for this step
+        generator = torch.Generator()
+        generator.manual_seed(_step_key(seed, spec.step))
+        noise = torch.rand(candidates.shape[0], generator=generator).clamp_(min=1e-20)
+        pick = int(torch.argmax(candidates - torch.log(-torch.log(noise))))
+    else:  # a cut: noise for the kept ids only, each from (seed, step, id)
+        gumbel = torch.from_numpy(_seeded_gumbel(_step_key(seed, spec.step), ids))
+        pick = int(torch.argmax(candidates.double() + gumbel))
     return pick if ids is None else int(ids[pick])
+
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _mix64(z: int) -> int:
+    """splitmix64's finaliser on a Python int (a bijection of 64-bit values)."""
+    z &= _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _step_key(seed: int, step: int) -> int:
+    """The 64-bit key of a seeded request's pick at output position ``step``."""
+    return _mix64(_mix64(seed) + (step + 1) * _GOLDEN)
+
+
+_U64 = np.uint64
+
+
+def _seeded_gumbel(key: int, ids: torch.Tensor) -> np.ndarray:
+    """Gumbel noise (float64) for each id of ``ids``: a function of ``(key, id)`` alone, so
+    a candidate keeps its noise whatever else is in the candidate set, or in what order."""
+    z = _U64(key) + ids.numpy().astype(np.uint64) * _U64(_GOLDEN)  # wraps modulo 2**64
+    z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+    z = z ^ (z >> _U64(31))
+    uniform = ((z >> _U64(11)).astype(np.float64) + 0.5) * 2.0**-53  # in (0, 1)
+    return -np.log(-np.log(uniform))
 
 
 def _top_p(candidates: torch.Tensor, ids: torch.Tensor | None, top_p: float):

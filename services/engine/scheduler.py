@@ -125,9 +125,9 @@ class Scheduler:
         admitted: list[Sequence] = []
         if self.paused is not None or self.hold_admission:
             return admitted
-        reserved = sum(_worst_case(s, self.max_context) for s in self.running)
+        reserved = sum(worst_case_tokens(s, self.max_context) for s in self.running)
         while self.waiting and len(self.running) < self.max_running:
-            need = _worst_case(self.waiting[0], self.max_context)
+            need = worst_case_tokens(self.waiting[0], self.max_context)
             if self.max_running_tokens is not None and self.running and reserved + need > self.max_running_tokens:
                 break  # waits for room; a lone sequence is always admitted
             reserved += need
@@ -187,7 +187,8 @@ class Scheduler:
         self.paused = None
 
 
-def _worst_case(seq: Sequence, max_context: int) -> int:
+def worst_case_tokens(seq: Sequence, max_context: int) -> int:
+    """The KV tokens admission counts for ``seq`` (its buffer never grows past them)."""
     return min(len(seq.input_ids) + seq.params.max_new_tokens, max_context)
 
 
@@ -230,12 +231,20 @@ def check_stop(
 
 
 def _match_stop_string(seq: Sequence, stops: list[str], decode_tail: Callable[[list[int]], str]) -> str | None:
-    # A stop string can span tokens; decoding a short tail covers the ones that just ended.
-    window = max(len(s) for s in stops) + 2
+    """The first of ``stops`` in the decoded tail of the output, else None.
+
+    ``decode_tail`` must keep special tokens (as SGLang checks stops), so a stop string that
+    is a special token (``"<|im_end|>"``) matches whatever ``skip_special_tokens`` says. The
+    window is sized in UTF-8 bytes: every token decodes to at least one byte, so a stop of
+    ``n`` bytes lies within the last ``n`` tokens (``+ 2``: the token it starts in may begin
+    mid-character). A stop that ended in an earlier step was matched then, unless that step
+    came before ``min_new_tokens``: the first eligible step looks at the whole window, so a
+    stop produced just before the minimum still ends the sequence (SGLang's rule too).
+    """
+    window = max(len(s.encode("utf-8")) for s in stops) + 2
     tail = decode_tail(seq.output_ids[-window:])
-    last = decode_tail(seq.output_ids[-window:-1]) if len(seq.output_ids) > 1 else ""
     for stop in stops:
-        if stop in tail and stop not in last:
+        if stop in tail:
             return stop
     return None
 

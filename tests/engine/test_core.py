@@ -191,3 +191,23 @@ def test_an_engine_beyond_loopback_warns_what_is_open():
     open_all = exposure_warnings(EngineSettings(host="0.0.0.0"))
     assert len(open_all) == 2 and "/generate" in open_all[0] and "admin token" in open_all[1]
     assert len(exposure_warnings(EngineSettings(host="0.0.0.0", admin_token="t"))) == 1
+
+
+def test_a_kv_buffer_never_grows_past_its_admitted_worst_case():
+    # admission counts prompt + max_new_tokens; doubling used to reach ~2x that
+    from services.engine.model_runner import KVBuffer, ModelShape
+
+    shape = ModelShape(layers=1, heads=2, kv_heads=1, head_dim=4, hidden=8, vocab_size=10, max_positions=32768,
+                       eps=1e-6, model_type="qwen2")
+    for prompt, max_new in ((100, 1126), (100, 4000), (3000, 2200), (5, 3)):
+        worst = prompt + max_new
+        kv = KVBuffer(shape, prompt + min(max_new, 512), limit=worst)  # as Engine._attach makes it
+        peak = kv.data.shape[3]
+        for length in range(prompt, worst):  # the last token is never fed
+            kv.reserve(length + 1)
+            kv.length = length + 1
+            peak = max(peak, kv.data.shape[3])
+        assert peak <= max(worst, 16) and kv.data.shape[3] >= kv.length, (prompt, max_new)
+    kv = KVBuffer(shape, 20, limit=30)
+    kv.reserve(45)  # more than the limit is still given (never a failed step)
+    assert kv.data.shape[3] == 45

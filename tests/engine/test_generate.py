@@ -93,6 +93,25 @@ async def test_seeded_sampling_is_reproducible_and_seed_dependent(http):
     assert all(lp <= 0 for lp, _, _ in a["meta_info"]["output_token_logprobs"])
 
 
+async def test_seeded_sampling_survives_a_prefix_cache_hit_and_batch_company(http):
+    # a cache hit or a batch changes logits in their last bits, which moved the top-p / min-p
+    # candidate count; the request's generator then fell out of step for every later token
+    first_turn = list(range(20000, 20000 + 150))
+    for cut in ({"top_p": 0.9}, {"min_p": 0.02}):
+        params = {"max_new_tokens": 24, "temperature": 1.0, "sampling_seed": 5, "ignore_eos": True, **cut}
+        await http.post("/flush_cache", json={})
+        first = await _gen(http, first_turn, params)
+        second_turn = first_turn + first["output_ids"] + list(range(30000, 30007))
+        hit = await _gen(http, second_turn, params)
+        assert hit["meta_info"]["cached_tokens"] > len(first_turn)
+        await http.post("/flush_cache", json={})
+        cold = await _gen(http, second_turn, params)
+        assert cold["meta_info"]["cached_tokens"] == 0
+        company = await asyncio.gather(_gen(http, second_turn, params),
+                                       *[_gen(http, list(range(40000 + i, 40060 + 7 * i)), params) for i in range(3)])
+        assert hit["output_ids"] == cold["output_ids"] == company[0]["output_ids"], cut
+
+
 async def test_stop_token_ids_and_stop_strings(http, shared_service):
     full = (await _gen(http, PROMPT, _greedy(8, ignore_eos=True)))["output_ids"]
     stop_id = full[3]
@@ -206,3 +225,87 @@ async def test_top_logprobs_list_the_most_likely_tokens(http):
         assert len(top) == 3 and top[0][1] == chosen[1]  # greedy: the pick is the most likely
         assert abs(top[0][0] - chosen[0]) < 1e-5
         assert top[0][0] >= top[1][0] >= top[2][0]
+
+
+async def test_stop_strings_match_special_tokens_multi_token_characters_and_after_min_new_tokens(
+        http, shared_service, monkeypatch):
+    # the model's picks are scripted (a random-init model never writes these texts)
+    from services.engine import engine as engine_module
+
+    tokenizer = shared_service.engine.tokenizer
+    scripts: dict[int, list[int]] = {}
+
+    def scripted(logits, specs, vocab_limit):
+        tokens = [scripts[s.params.sampling_seed][s.step] for s in specs]
+        return tokens, [None] * len(specs), [[] for _ in specs]
+
+    monkeypatch.setattr(engine_module, "sample", scripted)
+    rare = "\U0002000b\U0002000b"  # CJK extension B: several byte tokens a character
+    cases = [  # text, stop, extra params, kept text, tokens produced
+        ("done<|im_end|>more text", "<|im_end|>", {}, "done", "done<|im_end|>"),
+        ("done<|im_end|>more text", "<|im_end|>", {"skip_special_tokens": False}, "done", "done<|im_end|>"),
+        ("abc " + rare + " tail", rare, {}, "abc ", "abc " + rare),
+        ("x STOP y z w v u", "STOP", {"min_new_tokens": 3}, "x ", "x STOP y"),
+    ]
+    for seed, (text, stop, extra, kept, produced) in enumerate(cases, start=1000):
+        scripts[seed] = tokenizer.encode(text, add_special_tokens=False)
+        assert len(scripts[seed]) > len(tokenizer.encode(produced, add_special_tokens=False))
+        if stop == rare:
+            assert len(tokenizer.encode(rare, add_special_tokens=False)) > len(rare) + 2  # the old window
+        out = await _gen(http, PROMPT, {"max_new_tokens": 40, "temperature": 1.0, "sampling_seed": seed,
+                                        "ignore_eos": True, "stop": [stop], **extra})
+        assert out["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop}, (text, extra)
+        assert out["output_ids"] == tokenizer.encode(produced, add_special_tokens=False), (text, extra)
+        assert out["text"] == kept, (text, extra)
+
+
+async def test_running_kv_stays_within_the_admitted_worst_case(http, shared_service, monkeypatch):
+    runner = shared_service.engine.runner
+    made = []
+    real = runner.new_kv
+
+    def spy(capacity, limit=None):
+        made.append(real(capacity, limit))
+        return made[-1]
+
+    monkeypatch.setattr(runner, "new_kv", spy)
+    prompt = list(range(6000, 6100))
+    out = await _gen(http, prompt, _greedy(540, ignore_eos=True))
+    assert len(out["output_ids"]) == 540
+    assert len(made) == 1 and made[0].data.shape[3] <= 100 + 540  # doubling from 612 made 1224
+
+
+async def test_streamed_text_is_decoded_incrementally_and_matches_the_whole_decode(http, shared_service, monkeypatch):
+    from services.engine import engine as engine_module
+
+    tokenizer = shared_service.engine.tokenizer
+    script = tokenizer.encode("h\u00e9llo \U0002000b\U0002000b" + " w\u00f6rld, \u4f60\u597d" * 40, add_special_tokens=False)
+
+    def scripted(logits, specs, vocab_limit):
+        return [script[s.step] for s in specs], [None] * len(specs), [[] for _ in specs]
+
+    decoded: list[int] = []
+    real_decode = tokenizer.decode
+
+    def counting(ids, *args, **kwargs):
+        decoded.append(len(ids))
+        return real_decode(ids, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module, "sample", scripted)
+    monkeypatch.setattr(tokenizer, "decode", counting)
+    body = {"input_ids": PROMPT, "sampling_params": _greedy(len(script), ignore_eos=True), "stream": True}
+    chunks = []
+    async with http.stream("POST", "/generate", json=body) as response:
+        async for line in response.aiter_lines():
+            if line.startswith("data: {"):
+                chunks.append(json.loads(line[6:]))
+    monkeypatch.undo()
+    assert chunks[-1]["output_ids"] == script and len(chunks) == len(script)
+    final = chunks[-1]["text"]
+    assert final == tokenizer.decode(script)
+    for chunk in chunks:
+        whole = tokenizer.decode(chunk["output_ids"])
+        assert final.startswith(chunk["text"])
+        assert chunk["text"] == whole if not whole.endswith("\ufffd") else whole.startswith(chunk["text"])
+    # every streamed token decoded a few tokens (stop strings none); only the final snapshot all
+    assert sorted(decoded)[-2] <= 8 and max(decoded) == len(script)

@@ -4,6 +4,7 @@ request, never the batch it shares steps with; min_new_tokens holds back stop an
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -68,6 +69,34 @@ async def test_a_row_that_fails_to_sample_ends_only_its_request(http, shared_ser
     assert (await _gen(http, [1, 2], {"max_new_tokens": 2, "sampling_seed": 424242}))["output_ids"]
 
 
+async def test_a_failed_row_does_not_make_the_rows_before_it_draw_twice(http, shared_service, monkeypatch):
+    # the batch is redone row by row after a failure; rows sampled before the failing one
+    # drew twice, so a seeded request's later tokens changed
+    from services.engine import sampler
+
+    params = {"max_new_tokens": 40, "temperature": 1.0, "top_p": 0.9, "sampling_seed": 77, "ignore_eos": True}
+    alone = await _gen(http, PROMPT, params)
+    real, shared = sampler._draw, []
+
+    def failing(scaled, spec):
+        if spec.params.sampling_seed == 424242:
+            raise RuntimeError("injected draw failure")
+        shared.append(spec.params.sampling_seed)
+        return real(scaled, spec)
+
+    monkeypatch.setattr(sampler, "_draw", failing)
+    engine = shared_service.engine
+    victim = asyncio.create_task(_gen(http, PROMPT, params, rid="victim-redo"))
+    for _ in range(1000):  # decoding: the victim is the first sampling row of the next steps
+        if engine.call(lambda: any(s.rid == "victim-redo" and s.output_ids for s in engine.scheduler.running)).result(10):
+            break
+        await asyncio.sleep(0.005)
+    bad = await _gen(http, [1, 2], {"max_new_tokens": 3, "temperature": 1.0, "sampling_seed": 424242})
+    assert "injected" in bad["meta_info"]["finish_reason"]["message"]
+    assert (await victim)["output_ids"] == alone["output_ids"]
+    assert len(shared) > len(alone["output_ids"]), "the failing row never shared a step with the victim"
+
+
 async def test_a_temperature_below_the_epsilon_is_greedy(http):
     greedy = await _gen(http, PROMPT, {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
                         return_logprob=True)
@@ -122,3 +151,46 @@ async def test_a_cancelled_non_streaming_request_is_aborted(http, shared_service
         assert not engine.call(lambda: any(r in engine._live for r in rids)).result(10)
     again = await _gen(http, PROMPT, {"max_new_tokens": 1}, rid="gone-1")  # the rid is free again
     assert again["meta_info"]["id"] == "gone-1"
+
+
+def test_a_non_streaming_client_that_closes_its_socket_is_aborted(shared_service):
+    # a real server: Starlette does not cancel the handler when the connection closes, so the
+    # handler itself must notice (the ASGI test transport cancels, which hid this)
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(shared_service.app, host="127.0.0.1", port=0, log_level="warning",
+                                           lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    engine = shared_service.engine
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            time.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        for rid, body in (("gone-raw-1", {"input_ids": PROMPT, "rid": "gone-raw-1"}),
+                          ("gone-raw-3", {"input_ids": [PROMPT, PROMPT[:4]], "rid": ["gone-raw-2", "gone-raw-3"]})):
+            payload = json.dumps({**body, "sampling_params": LONG}).encode()
+            sock = socket.create_connection(("127.0.0.1", port))
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: engine\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(payload) + payload)
+            for _ in range(1000):
+                if engine.call(lambda: any(s.rid == rid and s.output_ids for s in engine.scheduler.running)).result(10):
+                    break
+                time.sleep(0.01)
+            else:
+                raise AssertionError("the request never started")
+            sock.close()
+            for _ in range(500):
+                if not engine.call(lambda: any(r.startswith("gone-raw") for r in engine._live)).result(10):
+                    break
+                time.sleep(0.01)
+            assert not engine.call(lambda: any(r.startswith("gone-raw") for r in engine._live)).result(10), rid
+    finally:
+        server.should_exit = True
+        thread.join(30)

@@ -178,3 +178,48 @@ async def test_the_fetch_route_answers_an_expired_offer_with_a_400_naming_it(htt
     assert out.status_code == 400
     message = out.json()["message"]
     assert "KV offer 'kv-7-1' expired" in message and "kept 300 s" in message and "nothing imported" in message
+
+
+async def test_an_import_the_cache_cannot_keep_is_not_reported_as_migrated(http, shared_service):
+    """A prefix longer than the target's cache cap was inserted and evicted at once, while
+    ``added_tokens`` (and so ``migrate_session``) said it had moved."""
+    import pytest
+
+    from libs.common.transfer.kv import migrate_session
+    from services.engine.client import CellError
+    from tests.engine._fakes import LoopbackAgent
+    from tests.engine.conftest import asgi_client, make_service
+
+    long_prompt = list(range(8400, 8500))
+    await _cached(http, long_prompt)
+    small = make_service(kv_cache_bytes=40 * shared_service.engine.runner.shape.kv_bytes_per_token)
+    agents = [LoopbackAgent(), LoopbackAgent()]
+    try:
+        # the port: the target's answer and its client
+        src = kv_port.KVPort(shared_service.engine, agents[0])
+        dst = kv_port.attach(small, agents[1])
+        offer = await src.offer(long_prompt)
+        assert len(offer["meta"]["token_ids"]) > 40
+        answer = await dst.fetch(offer)
+        assert answer["success"] is False and answer["added_tokens"] == 0 and answer["cached_tokens"] == 0
+        assert "not kept" in answer["message"] and small.engine.prefix_cache.cached_tokens == 0
+        async with asgi_client(small) as target_client, asgi_client(shared_service) as source_client:
+            target = kv_port.PortCellClient.wrap("target", target_client)
+            with pytest.raises(CellError, match="not kept"):
+                await target.kv_fetch(offer)
+            # HTTP: the import's answer, and migrate_session's verdict
+            blob = await source_client.kv_export(long_prompt)
+            answer = await target_client.kv_import(blob)
+            assert answer["success"] is False and answer["added_tokens"] == 0
+            result = await migrate_session(kv_port.PortCellClient.wrap("source", source_client), target,
+                                           long_prompt, session_id="s-too-long", use_port=False)
+            assert result.kv == "reprefilled" and result.migrated_tokens == 0
+            # a prefix that fits is kept and reported as before
+            short = long_prompt[:20]
+            answer = await target_client.kv_import(await source_client.kv_export(short))
+            assert answer == {"success": True, "added_tokens": 20, "tokens": 20, "cached_tokens": 20}
+        src.release(offer["meta"]["lease"])
+    finally:
+        for agent in agents:
+            agent.close()
+        small.close()

@@ -94,3 +94,42 @@ def test_greedy_argmax_is_torchs_first_maximum_nan_included():
         made = wide * 1.0
     assert _argmax(made) == wide.argmax(dim=-1).tolist()
     assert _argmax(wide.double()) == wide.argmax(dim=-1).tolist()  # other dtypes: torch's own
+
+
+def _seeded(logits: torch.Tensor, params: dict, seed: int, step: int) -> int:
+    spec = SampleSpec(parse_sampling_params({"temperature": 1.0, "sampling_seed": seed, **params}),
+                      want_logprob=False, generator=None, step=step)
+    return sample(logits.clone(), [spec], logits.shape[1])[0][0]
+
+
+CUTS = ({}, {"top_p": 0.9}, {"min_p": 0.05}, {"top_k": 50}, {"top_k": 200, "top_p": 0.8, "min_p": 0.01})
+
+
+def test_a_seeded_pick_depends_only_on_seed_step_and_distribution():
+    # no stream that earlier picks advance: the same (seed, step) gives the same pick in any order
+    logits = 3 * torch.randn(1, 1000, generator=torch.Generator().manual_seed(1))
+    for cut in CUTS:
+        forward = [_seeded(logits, cut, 11, k) for k in range(24)]
+        backward = [_seeded(logits, cut, 11, k) for k in reversed(range(24))][::-1]
+        assert forward == backward, cut
+        assert len(set(forward)) > 3, cut  # steps draw differently
+        assert forward != [_seeded(logits, cut, 12, k) for k in range(24)], cut  # and seeds do
+    # seeds that differ only above the low 32 bits are different seeds
+    assert [_seeded(logits, {}, 5, k) for k in range(8)] != [_seeded(logits, {}, 5 + 2**32, k) for k in range(8)]
+
+
+def test_a_marginal_candidate_joining_the_cut_moves_no_other_pick():
+    # as a cache hit or another batch does: a tail token's logit moves across the top-p /
+    # min-p / top-k edge. Draws keyed by candidate position (or a stream the count moved)
+    # changed most picks; keyed by token id only a pick of the moved token can change.
+    logits = 3 * torch.randn(1, 1000, generator=torch.Generator().manual_seed(2))
+    order = torch.argsort(logits[0], descending=True)
+    for cut in CUTS[1:]:
+        before = [_seeded(logits, cut, s, 0) for s in range(300)]
+        outside = next(int(t) for t in order if int(t) not in before and logits[0, t] > logits[0].min())
+        nudged = logits.clone()
+        nudged[0, outside] = logits[0, order[len(set(before)) // 2]]  # now well inside the cut
+        after = [_seeded(nudged, cut, s, 0) for s in range(300)]
+        moved = {outside} | (set(before) - set(after))  # joined, or pushed out by the mass it took
+        same = [b == a for b, a in zip(before, after) if b not in moved and a not in moved]
+        assert len(same) >= 200 and all(same), cut
