@@ -24,10 +24,15 @@ RunDir = Annotated[Optional[Path], typer.Option("--run-dir", help="state folder 
 
 
 def _settings(**overrides: object) -> GyreSettings:
+    from pydantic import ValidationError
+
+    from libs.common.settings import settings_error
+
     try:
         return GyreSettings(**{k: v for k, v in overrides.items() if v is not None})
-    except Exception as exc:  # pydantic ValidationError: say which setting is wrong
-        raise typer.BadParameter(str(exc)) from exc
+    except ValidationError as exc:  # say which variable (or the option standing for it) is wrong
+        typer.echo(f"error: invalid setting: {settings_error(exc)}", err=True)
+        raise typer.Exit(2) from None
 
 
 def _finished_run_dir(run_id: str | None, run_dir: Path | None) -> Path | None:
@@ -119,7 +124,7 @@ def report(
     """Rebuild a run's report (report.html, PNGs, report.json) from its event log alone."""
     from gyre.up import rebuild_report
 
-    path = asyncio.run(rebuild_report(_settings(run_id=run, run_dir=runs_dir / run)))
+    path = asyncio.run(rebuild_report(_settings(run_id=run, run_dir=runs_dir / run), require=True))
     typer.echo(str(path))
 
 
@@ -153,12 +158,15 @@ def serve(
         raise typer.Exit(0)
     spec = SERVICES.get(service)
     if spec is None:
-        typer.echo(f"error: unknown service {service!r}; known: {', '.join(SERVICES)}", err=True)
+        typer.echo(f"error: unknown service {service!r}; known: {', '.join([*SERVICES, 'engine'])}", err=True)
         raise typer.Exit(2)
     settings = _settings()
     _logging(settings)
     try:
         asyncio.run(serve_spec(spec, settings, port=port or free_port(), options={"batch": batch}))
+    except _user_errors() as exc:  # NATS not configured, port taken, a bad GYRE_* setting: one line
+        typer.echo(f"error: {service}: {_one_line(exc)}", err=True)
+        raise typer.Exit(1) from None
     except Exception as exc:
         logging.getLogger("gyre").error("%s stopped: %r", service, exc, exc_info=True)
         raise typer.Exit(1) from exc
@@ -190,7 +198,13 @@ def events_tail(
     from gyre.events_cmd import tail
 
     settings = _settings(run_dir=_finished_run_dir(run_id, run_dir))
-    asyncio.run(tail(settings, _contexts(context), run_id, from_seq, follow, as_json))
+    try:
+        asyncio.run(tail(settings, _contexts(context), run_id, from_seq, follow, as_json))
+    except BrokenPipeError:  # the reader left (`| head`): done, quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        raise typer.Exit(0) from None
 
 
 @events_app.command("export")
@@ -285,6 +299,8 @@ def replay(
 
     result = asyncio.run(do_replay(_settings(database_url=database_url, run_dir=run_dir), from_file or [], run_id))
     typer.echo(json.dumps(result))
+    if not result.get("applied"):
+        typer.echo(f"warning: no events applied{f' for run {run_id!r}' if run_id else ''}", err=True)
     if result.get("dead_lettered"):
         raise typer.Exit(3)
 
@@ -405,14 +421,32 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from libs.common.bus.jetstream import BusError
     from libs.common.natsserver import NatsServerError
 
-    return (BusError, NatsServerError, ValueError, FileNotFoundError, PermissionError)
+    from sqlalchemy.exc import ArgumentError, NoSuchModuleError, OperationalError
+
+    from libs.common.service import ServiceStartError
+
+    # a bad database URL: an unknown dialect, a malformed URL, a server that does not answer
+    return (BusError, NatsServerError, ServiceStartError, ValueError, FileNotFoundError, PermissionError,
+            NoSuchModuleError, ArgumentError, OperationalError)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The first line of an error (SQLAlchemy's add the statement and a link)."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    text = str(exc).strip() or type(exc).__name__
+    if isinstance(exc, SQLAlchemyError):
+        text = text.splitlines()[0].strip()
+        if not text.lower().startswith("database"):
+            text = f"database: {text}"
+    return text
 
 
 def main() -> None:
     try:
         app()
     except _user_errors() as exc:  # a clear line, not a traceback, for mistakes a user can fix
-        typer.echo(f"error: {exc}", err=True)
+        typer.echo(f"error: {_one_line(exc)}", err=True)
         sys.exit(2)
 
 

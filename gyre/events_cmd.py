@@ -32,7 +32,11 @@ async def tail(settings: GyreSettings, contexts: list[Context], run_id: str | No
             for c in contexts:
                 async for msg in bus.read_raw(c.stream, start_seq=from_seq, filter_subject=_subject(c, run_id)):
                     _print(c, msg.metadata.sequence.stream, msg.data, as_json)
-        finally:
+        except BaseException:  # a closed pipe (`| head`), Ctrl-C: leave now, without draining
+            with contextlib.suppress(Exception):
+                await bus.nc.close()
+            raise
+        else:
             await bus.close()
 
 
@@ -73,30 +77,66 @@ async def export(settings: GyreSettings, contexts: list[Context], run_id: str | 
     return n
 
 
+def _load_files(files: list[Path]) -> Any:
+    """The exported files in an in-memory bus, checked first: a missing or malformed file,
+    or files that hold no event at all, are errors before anything is written."""
+    from libs.common.eventlog import iter_lines
+
+    n = 0
+    for path in files:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"--from {path}: no such file")
+        try:
+            n += sum(1 for _ in iter_lines(Path(path)))
+        except ValueError as exc:
+            cause = exc.__cause__
+            if isinstance(cause, KeyError):
+                raise ValueError(f"{str(exc).rsplit(' (', 1)[0]} (missing field {cause})") from None
+            if isinstance(cause, TypeError):
+                raise ValueError(f"{str(exc).rsplit(' (', 1)[0]} (not a JSON object)") from None
+            raise
+        except UnicodeDecodeError:
+            raise ValueError(f"--from {path}: not a text (JSON Lines) file") from None
+    if n == 0:
+        raise ValueError(f"no events in {', '.join(map(str, files))}: nothing to replay")
+    return load_memory_bus(files)
+
+
 async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) -> dict[str, Any]:
     """Rebuild the read models into the database of ``settings`` (a fresh SQLite file
-    under a temp folder when none is given) from exported files or the live log."""
+    under a temp folder, removed afterwards, when none is given) from exported files or
+    the live log."""
+    import shutil
+
+    memory = _load_files(files) if files else None  # before any database is created
     url = settings.database_url and settings.sqlalchemy_url
+    scratch = None
     if not url:
-        url = f"sqlite:///{Path(tempfile.mkdtemp(prefix='gyre-replay-')) / 'replay.db'}"
-    upgrade(url)
-    engine = make_engine(url)
-    bus: Any
-    with contextlib.ExitStack() as stack:
-        if files:
-            bus = load_memory_bus(files)
-        else:
-            bus = await connect_tool_bus(stack.enter_context(run_nats_url(settings)), name="gyre-replay",
-                                         settings=settings)
-        try:
-            runner = ProjectionRunner(engine, bus, readmodels, filter_run=run_id)
-            applied = await runner.catch_up()
-            digest = readmodel_digest(engine)
-        finally:
-            engine.dispose()
-            if not files:
-                await bus.close()
-    return {"database": url, "applied": applied, "dead_lettered": runner.dead_lettered, "digest": digest["*"],
+        scratch = Path(tempfile.mkdtemp(prefix="gyre-replay-"))
+        url = f"sqlite:///{scratch / 'replay.db'}"
+    try:
+        upgrade(url)
+        engine = make_engine(url)
+        bus: Any
+        with contextlib.ExitStack() as stack:
+            if memory is not None:
+                bus = memory
+            else:
+                bus = await connect_tool_bus(stack.enter_context(run_nats_url(settings)), name="gyre-replay",
+                                             settings=settings)
+            try:
+                runner = ProjectionRunner(engine, bus, readmodels, filter_run=run_id)
+                applied = await runner.catch_up()
+                digest = readmodel_digest(engine)
+            finally:
+                engine.dispose()
+                if memory is None:
+                    await bus.close()
+    finally:
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    return {"database": None if scratch is not None else url, "applied": applied,
+            "dead_lettered": runner.dead_lettered, "digest": digest["*"],
             "tables": {k: v for k, v in digest.items() if k != "*"}}
 
 
@@ -109,6 +149,35 @@ async def started_config(bus: JetStreamBus, run_id: str) -> dict[str, Any]:
         if isinstance(d.event, RunStarted):
             config = d.event.config
     return config
+
+
+class UnknownId(ValueError):
+    """A run or rollout id the log does not know (a typo, or the wrong store)."""
+
+
+async def _has_event(bus: JetStreamBus, context: Context, subject: str) -> bool:
+    async for _ in bus.read_raw(context.stream, filter_subject=subject):
+        return True
+    return False
+
+
+async def require_run(bus: JetStreamBus, run_id: str, where: str) -> None:
+    """``UnknownId`` unless the log holds ``run_id``'s ``RunStarted``."""
+    from libs.common.events import RunStarted
+
+    if not await _has_event(bus, Context.RUNS, f"gyre.{run_id}.runs.{RunStarted.TYPE}"):
+        raise UnknownId(f"no run {run_id!r} in the log at {where} (no RunStarted): check the run id, "
+                        "--run-dir or GYRE_NATS_URL")
+
+
+async def require_rollout(bus: JetStreamBus, run_id: str, rollout: str, where: str) -> None:
+    from libs.common.events import RolloutStarted
+    from libs.common.events.envelope import subject_token
+
+    subject = f"gyre.{run_id}.rollouts.{RolloutStarted.TYPE}.{subject_token(rollout)}"
+    if not await _has_event(bus, Context.ROLLOUTS, subject):
+        raise UnknownId(f"no rollout {rollout!r} in run {run_id!r} (no RolloutStarted in the log at {where}): "
+                        "check the rollout id and --run")
 
 
 async def run_options(bus: JetStreamBus, run_id: str) -> dict[str, Any]:
@@ -127,6 +196,7 @@ async def tree_show(settings: GyreSettings, rollout: str, fmt: str, tokens: bool
     with run_nats_url(settings) as url:
         bus = await connect_tool_bus(url, name="gyre-tree", settings=settings)
         try:
+            await require_rollout(bus, settings.run_id, rollout, _where(settings, url))
             blobs = await ObjectStoreBlobStore.open(bus.js, settings.blob_bucket)
             config = ledger_config(settings.run_id, await run_options(bus, settings.run_id))
             return await show_rollout(bus, blobs, config, rollout, fmt=fmt, show_tokens=tokens)
@@ -176,6 +246,7 @@ async def replay_trees(nats_url: str, run_id: str, blob_bucket: str = "gyre-blob
 
     bus = await connect_tool_bus(nats_url, name="gyre-replay-trees")
     try:
+        await require_run(bus, run_id, nats_url)
         live_blobs = await ObjectStoreBlobStore.open(bus.js, blob_bucket)
         copy = InMemoryBus()
         for ctx in (Context.ROLLOUTS, Context.CALLS, Context.SCORES):
@@ -196,6 +267,10 @@ async def replay_trees(nats_url: str, run_id: str, blob_bucket: str = "gyre-blob
         await bus.close()
     return {"recorded": len(recorded), "replayed": len(replayed),
             "identical": sorted(map(repr, recorded)) == sorted(map(repr, replayed))}
+
+
+def _where(settings: GyreSettings, url: str) -> str:
+    return url if settings.nats_url else str(settings.nats_store_dir)
 
 
 @contextlib.contextmanager
@@ -239,6 +314,7 @@ async def replay_cells(nats_url: str, run_id: str, run_dir: Path) -> dict[str, A
     bus = await connect_tool_bus(nats_url, name="gyre-replay-cells")
     fold, events = CellsFold(), 0
     try:
+        await require_run(bus, run_id, nats_url)
         async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{run_id}.cells.>", until_seq=until):
             fold.apply(d.event)
             events += 1

@@ -48,6 +48,10 @@ class Progress:
     evals: dict[str, dict[str, Any]] = field(default_factory=dict)  # "before"/"after" -> held-out result
 
     def row(self) -> str:
+        if "eval" in self.evals:  # gyre eval: one greedy pass, no steps
+            e = self.evals["eval"]
+            return (f"eval: {e.get('scored', 0)}/{e.get('tasks', 0)} scored · pass rate {e.get('success', 0.0)} · "
+                    f"mean score {e.get('mean_score', 0.0)} · {self.status}")
         last = f"{self.rewards[-1]:.3f}" if self.rewards else "-"
         return (f"step {self.step + 1}/{self.steps} · rollouts running {self.running}, finished {self.finished}, "
                 f"timed out {self.timed_out}, scored {self.scored} · last reward {last} · "

@@ -9,6 +9,7 @@ process, and shows their health until Ctrl-C (or ``--duration``/``--check``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import secrets
 import json
@@ -247,23 +248,41 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
         settings = settings.model_copy(update={"nats_url": nats.url})
     children: list[Child] = []
     stopping = False
+    stopped_by: int | None = None  # the signal that stopped the run early
 
     def _stop(signum: int | None = None, _frame: object = None) -> None:
-        nonlocal stopping
+        nonlocal stopping, stopped_by
         if stopping and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C: stop at once, without the report
+        if not stopping:
+            name = signal.Signals(signum).name if signum else "stop"
+            print(f"gyre up: {name}: stopping; the report and summary are still written "
+                  "(Ctrl-C again to stop at once)", file=sys.stderr, flush=True)
         stopping = True
+        stopped_by = signum
 
+    def _interrupted_code() -> int:
+        return 128 + (stopped_by or signal.SIGINT)
+
+    # from here a Ctrl-C stops the run like SIGTERM: the report is still written
     signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
     try:
         upgrade(settings.sqlalchemy_url)
         asyncio.run(_record_run_started(settings, cfg))
         if cfg.warmstart.enabled and eval_split is None and not check:
+            from gyre.warmstart import WarmStartInterrupted
+
             try:
-                cfg = warm_start_phase(settings, cfg, console)
+                cfg = warm_start_phase(settings, cfg, console, should_stop=lambda: stopping)
             except ValueError as exc:  # no solutions, held-out tasks, a demonstration that cannot be rendered
                 console.print(f"[red]warm start: {exc}[/]")
                 return 2
+            except WarmStartInterrupted as exc:
+                console.print(f"[yellow]{exc}; no RL step ran[/]")
+                return _interrupted_code()
+            if stopping:
+                return _interrupted_code()
         env = {**os.environ, "GYRE_NATS_URL": settings.nats_url or "", "GYRE_RUN_ID": settings.run_id,
                "GYRE_RUN_DIR": str(settings.run_dir), "GYRE_DATABASE_URL": settings.sqlalchemy_url}
         plan = plan_stack(cfg, _admin_token(settings))
@@ -271,18 +290,22 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
             console.print(f"[yellow]{follow_role_note(cfg)}[/]")
         job = None if check else MainJob(cfg, settings.nats_url or "", proxy_url(plan), eval_split=eval_split,
                                              blob_bucket=settings.blob_bucket)
-        if job is not None:  # from here a Ctrl-C stops the run like SIGTERM: the report is still written
-            signal.signal(signal.SIGINT, _stop)
         code = _watch(settings, plan, children, env, console, check=check, duration=duration,
                       stopping=lambda: stopping, job=job)
+        # cut short: a signal before the steps were done (or, for --check, before all were healthy)
+        interrupted = stopping and not (job is not None and job.done and job.error is None)
         if job is not None:
+            job.stop()  # its thread must not outlive the stack it talks to
             _stop_children(children, {"scheduler"})  # it writes the schedule the cells replay checks
-            code = job.finish(settings, json_summary, console) or code
+            code = job.finish(settings, json_summary, console, interrupted=interrupted) or code
+        if interrupted:
+            return code or _interrupted_code()
         return code
     except KeyboardInterrupt:
-        return 0
+        return _interrupted_code()
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         for c in children:
             if c.proc.poll() is None:
                 c.proc.terminate()
@@ -305,7 +328,8 @@ def _stop_children(children: list[Child], names: set[str], timeout_s: float = 30
                 c.proc.kill()
 
 
-def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -> RunConfig:
+def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console,
+                     should_stop: Any = None) -> RunConfig:
     """Phase 0, before RL: supervised fine-tuning on the scripted solver's demonstrations of
     the *train* tasks (never the held-out ones). Writes ``<run>/warmstart/model`` (kept and
     reused when its inputs are unchanged), records ``WarmStartCompleted`` and returns the
@@ -356,7 +380,8 @@ def warm_start_phase(settings: GyreSettings, cfg: RunConfig, console: Console) -
         started = time.monotonic()
         stats = warm_start(base, out, tasks, steps=ws.steps, lr=ws.lr, seed=ws.seed, tasks_root=root,
                            max_completion_tokens=cfg.sampling.max_tokens, flaw_rate=ws.flaw_rate,
-                           log=lambda msg: console.print(f"  warm start: {msg}", markup=False, highlight=False))
+                           log=lambda msg: console.print(f"  warm start: {msg}", markup=False, highlight=False),
+                           should_stop=should_stop)
         stats.setdefault("seconds", round(time.monotonic() - started, 1))
         marker.write_text(json.dumps({"inputs": inputs, "inputs_digest": digest, "stats": stats}, indent=2))
     console.print(f"  warm start {'reused' if reused else 'done'}: {len(tasks)} train tasks, "
@@ -399,11 +424,17 @@ class MainJob:
     def start(self) -> None:
         from gyre.run import run_steps
 
+        async def steps() -> None:
+            self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
+            await run_steps(self.cfg, self.nats_url, self.proxy, self.progress,
+                            trainer_running=self.cfg.cells.count > 0 and self.eval_split is None,
+                            eval_only=self.eval_split is not None, blob_bucket=self.blob_bucket)
+
         def target() -> None:
             try:
-                asyncio.run(run_steps(self.cfg, self.nats_url, self.proxy, self.progress,
-                                      trainer_running=self.cfg.cells.count > 0 and self.eval_split is None,
-                                      eval_only=self.eval_split is not None, blob_bucket=self.blob_bucket))
+                asyncio.run(steps())
+            except asyncio.CancelledError:  # stop(): the run was cut short
+                self.progress.status = "interrupted"
             except BaseException as exc:  # shown by finish(); the stack is stopped either way
                 self.error = exc
                 self.progress.status = f"failed: {exc!r}"
@@ -415,11 +446,23 @@ class MainJob:
     def done(self) -> bool:
         return self.thread is not None and not self.thread.is_alive()
 
-    def finish(self, settings: GyreSettings, json_summary: Path | None, console: Console) -> int:
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Cancel the steps (a stop in the middle), so they do not outlive the stack."""
+        if self.thread is None or not self.thread.is_alive():
+            return
+        loop, task = getattr(self, "_loop", None), getattr(self, "_task", None)
+        if loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # its loop just closed
+                loop.call_soon_threadsafe(task.cancel)
+        self.thread.join(timeout_s)
+
+    def finish(self, settings: GyreSettings, json_summary: Path | None, console: Console, *,
+               interrupted: bool = False) -> int:
         from gyre.run import eval_summary, summary
 
         if self.eval_split is not None:
             result = eval_summary(self.progress, self.eval_split)
+            result["interrupted"] = interrupted
             if json_summary is not None:
                 json_summary.write_text(json.dumps(result, indent=2))
             console.print(json.dumps(result))
@@ -434,6 +477,7 @@ class MainJob:
             facts = {}
         result = summary(self.progress, role_switches=facts.get("role_switches", 0),
                          agent_errors=facts.get("harness_failures", 0) + facts.get("undelivered_calls", 0))
+        result["interrupted"] = interrupted  # stopped before the steps were done
         result["replay_identical"] = self._replay_identical(settings, console)
         if self.cfg.cells.count:
             result["cells_replay_same"] = self._cells_replay_same(settings, console)
@@ -479,10 +523,22 @@ class MainJob:
         return bool(result.get("identical"))
 
 
-async def rebuild_report(settings: GyreSettings) -> Path:
-    """The report of ``settings.run_id`` from its log (the embedded store when no NATS URL)."""
+async def rebuild_report(settings: GyreSettings, *, require: bool = False) -> Path:
+    """The report of ``settings.run_id`` from its log (the embedded store when no NATS URL).
+    ``require`` (``gyre report``): a run the log does not hold is an error, and nothing is
+    written."""
+    from gyre.events_cmd import require_run, run_nats_url
     from gyre.report import collect, write_report
 
+    if require:
+        with run_nats_url(settings) as url:  # no store under the run folder: an error, not an empty one
+            bus = await connect_tool_bus(url, name="gyre-report", settings=settings)
+            try:
+                await require_run(bus, settings.run_id, settings.nats_url or str(settings.nats_store_dir))
+                facts = await collect(bus, settings.run_id)
+            finally:
+                await bus.close()
+        return write_report(facts, settings.run_dir)
     nats = None
     url = settings.nats_url
     if not url:
@@ -500,13 +556,48 @@ async def rebuild_report(settings: GyreSettings) -> Path:
     return write_report(facts, settings.run_dir)
 
 
+class PlainProgress:
+    """Where the status is not a terminal (a log file, CI), Rich's live table shows only
+    its last frame: one plain line per change of the run's phase or step instead."""
+
+    def __init__(self) -> None:
+        self.status: str | None = None
+        self.step = -1
+        self.rewards = 0
+        self.evals: set[str] = set()
+
+    def lines(self, p: Any) -> list[str]:
+        out = []
+        for phase in [k for k in p.evals if k not in self.evals]:
+            self.evals.add(phase)
+            e = p.evals[phase]
+            name = "eval" if phase == "eval" else f"held-out eval {phase}"
+            out.append(f"{name}: {e.get('scored', 0)}/{e.get('tasks', 0)} scored, success {e.get('success')}, "
+                       f"mean score {e.get('mean_score')}")
+        while self.rewards < len(p.rewards):
+            self.rewards += 1
+            out.append(f"step {self.rewards}/{p.steps} applied: reward {p.rewards[self.rewards - 1]:.3f}, "
+                       f"weights v{p.weight_version}")
+        if p.step != self.step or p.status != self.status:
+            if p.step != self.step and p.step >= 0 and p.status == "rollouts":
+                out.append(f"step {p.step + 1}/{p.steps} started")
+            elif p.status != self.status and p.status not in ("rollouts", "scoring", "training"):
+                out.append(str(p.status))
+            self.step, self.status = p.step, p.status
+        return out
+
+
 def _watch(settings: GyreSettings, plan: list[Launch], children: list[Child], env: dict[str, str],
            console: Console, *, check: bool, duration: float, stopping: Any, job: MainJob | None = None) -> int:
     start = time.monotonic()
     log_dir = settings.run_dir / "logs"
     waiting = sorted(plan, key=lambda launch: launch.stage)
+    plain = None if console.is_terminal or job is None else PlainProgress()
     with httpx.Client() as client, Live(console=console, refresh_per_second=4, transient=False) as live:
         while not stopping():
+            if plain is not None:
+                for line in plain.lines(job.progress):
+                    console.print(line, markup=False, highlight=False)
             ready = all(c.state == "ok" for c in children)
             stage = waiting[0].stage if waiting else None
             while waiting and waiting[0].stage == stage and (ready or not children):
@@ -517,6 +608,9 @@ def _watch(settings: GyreSettings, plan: list[Launch], children: list[Child], en
             if job is not None and healthy and job.thread is None:
                 job.start()
             if job is not None and job.done:
+                if plain is not None:
+                    for line in plain.lines(job.progress):
+                        console.print(line, markup=False, highlight=False)
                 return 0
             exited = _restart_failed(children, env, log_dir, console)
             if exited:

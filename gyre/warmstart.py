@@ -312,7 +312,8 @@ def train_sft(model: Any, examples: list[Example], *, steps: int, lr: float, see
               batch_size: int, pad_id: int = 0, log: Callable[[str], None] = print, log_every: int = 20,
               warmup: int = 10, hook: Callable[[int, Any], None] | None = None,
               stages: Sequence[tuple[str, list[Example], int]] | None = None,
-              flawed: Sequence[Sequence[Example | None]] | None = None, flaw_rate: float = 0.0) -> list[float]:
+              flawed: Sequence[Sequence[Example | None]] | None = None, flaw_rate: float = 0.0,
+              should_stop: Callable[[], bool] | None = None) -> list[float]:
     """AdamW on the completion loss; linear warm-up then cosine decay to 10 %. Returns the losses.
 
     ``stages``: a curriculum, ``(name, examples, steps)`` in order (their steps add up to
@@ -353,6 +354,8 @@ def train_sft(model: Any, examples: list[Example], *, steps: int, lr: float, see
         order: list[int] = []
         size = min(batch_size, len(pool)) if pool else 0
         for _ in range(n_steps):
+            if should_stop is not None and should_stop():
+                raise WarmStartInterrupted(f"warm start stopped at step {step}/{steps}")
             if len(order) < size:
                 fresh = list(range(len(pool)))
                 rng.shuffle(fresh)
@@ -379,6 +382,10 @@ def train_sft(model: Any, examples: list[Example], *, steps: int, lr: float, see
     return losses
 
 
+class WarmStartInterrupted(Exception):
+    """``should_stop`` said stop (a Ctrl-C or SIGTERM during phase 0): nothing was saved."""
+
+
 def save_model(model: Any, base_dir: Path, out_dir: Path, meta: dict[str, Any]) -> None:
     """An HF folder like the base one (weights replaced), written beside and renamed in."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -401,7 +408,8 @@ def save_model(model: Any, base_dir: Path, out_dir: Path, meta: dict[str, Any]) 
 def warm_start(base_dir: Path, out_dir: Path, tasks: list[Task], *, steps: int, lr: float, seed: int,
                batch_size: int = 8, curriculum: Sequence[tuple[str | int, float]] = DEFAULT_CURRICULUM,
                tasks_root: Path | None = None, max_completion_tokens: int | None = None,
-               flaw_rate: float = 0.0, log: Callable[[str], None] = print) -> dict[str, Any]:
+               flaw_rate: float = 0.0, log: Callable[[str], None] = print,
+               should_stop: Callable[[], bool] | None = None) -> dict[str, Any]:
     """SFT of the model in ``base_dir`` on the scripted demonstrations of ``tasks`` (train
     split only), saved as an HF folder in ``out_dir``. Demonstrations whose completion is
     longer than ``max_completion_tokens`` (the run's sampling budget) are left out.
@@ -466,7 +474,8 @@ def warm_start(base_dir: Path, out_dir: Path, tasks: list[Task], *, steps: int, 
                                                  attn_implementation="sdpa")  # the packed boolean mask needs SDPA
     pad_id = renderer.tokenizer.pad_token_id if renderer.tokenizer.pad_token_id is not None else 0
     losses = train_sft(model, examples, steps=steps, lr=lr, seed=seed, batch_size=min(batch_size, len(examples)),
-                       pad_id=pad_id, log=log, stages=stages, flawed=flawed, flaw_rate=flaw_rate)
+                       pad_id=pad_id, log=log, stages=stages, flawed=flawed, flaw_rate=flaw_rate,
+                       should_stop=should_stop)
     with torch.no_grad():  # the exact prompts' loss, per completion token
         parts = [completion_loss(model, examples[i: i + 8], pad_id) for i in range(0, len(examples), 8)]
         final = float(sum(loss * n for loss, n in parts) / sum(n for _, n in parts))

@@ -13,9 +13,12 @@ from dataclasses import dataclass
 from sqlalchemy import Engine
 
 from .blobs import ObjectStoreBlobStore
-from .bus.jetstream import BusError, JetStreamBus
+from .bus.jetstream import BusError, JetStreamBus, connect_nats
 from .db.engine import make_engine, upgrade
 from .settings import GyreSettings
+
+
+TOOL_CONNECT_TRIES = 3  # a tool gives up after this many failed connects; a service never does
 
 
 class NatsNotConfigured(BusError):
@@ -61,7 +64,12 @@ async def connect_tool_bus(url: str, *, name: str, settings: GyreSettings | None
     credentials (``GYRE_NATS_CREDS``), and existing streams left as the services
     configured them (replicas, max age); only missing ones are created, with the settings'."""
     settings = settings or GyreSettings()
-    return await JetStreamBus.connect(
-        url, name=name, creds=str(settings.nats_creds) if settings.nats_creds else None,
-        replicas=settings.stream_replicas, max_age_s=settings.stream_max_age_days * 86400, update_streams=False,
-    )
+    nc = await connect_nats(url, name=name, creds=str(settings.nats_creds) if settings.nats_creds else None,
+                            tries=TOOL_CONNECT_TRIES)
+    bus = JetStreamBus(nc, replicas=settings.stream_replicas, max_age_s=settings.stream_max_age_days * 86400)
+    try:
+        await bus.ensure_streams(update=False)
+    except BaseException:
+        await nc.close()
+        raise
+    return bus

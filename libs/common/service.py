@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -77,10 +78,33 @@ def create_app(health: Health, registry: CollectorRegistry) -> FastAPI:
     return app
 
 
+class ServiceStartError(OSError):
+    """The service could not start for a reason the user can fix (its port is taken)."""
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The HTTP socket, bound here so that a taken port is one clear error (uvicorn's own
+    bind logs and exits)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise ServiceStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.set_inheritable(True)
+    except OSError as exc:
+        sock.close()
+        raise ServiceStartError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return sock
+
+
 async def serve(spec: ServiceSpec, settings: GyreSettings, *, port: int, options: dict[str, Any] | None = None) -> None:
     health = Health(spec.name)
     registry = CollectorRegistry()
     stop = asyncio.Event()
+    sock = _listen(settings.host, port)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
@@ -89,9 +113,12 @@ async def serve(spec: ServiceSpec, settings: GyreSettings, *, port: int, options
                             timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-    http = asyncio.create_task(server.serve())
-    try:
+    http = asyncio.create_task(server.serve(sockets=[sock]))
+    opened = asyncio.Event()
+
+    async def run() -> None:
         async with open_runtime(settings, name=spec.name, database=spec.database, migrate=spec.database) as rt:
+            opened.set()
             ctx = ServiceContext(rt, health, stop, registry, options or {}, app)
             lag = asyncio.create_task(ConsumerLagMetrics(registry).run(rt.bus, stop))
             main = asyncio.create_task(spec.main(ctx))
@@ -107,6 +134,21 @@ async def serve(spec: ServiceSpec, settings: GyreSettings, *, port: int, options
             else:
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(main, 10)
+
+    runner = asyncio.create_task(run())
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({runner, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not runner.done() and not opened.is_set():  # stopped while still connecting (NATS down)
+            log.info("%s: stopped before it connected", spec.name)
+            runner.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await runner
+        else:
+            await runner
     finally:
+        stopped.cancel()
+        if not runner.done():
+            runner.cancel()
         server.should_exit = True
         await http

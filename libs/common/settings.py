@@ -30,6 +30,11 @@ class GyreSettings(BaseSettings):
     log_json: bool = False
     host: str = "127.0.0.1"
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _level_any_case(cls, v: object) -> object:
+        return v.strip().upper() if isinstance(v, str) else v
+
     @field_validator("nats_url", "database_url", "admin_token", mode="before")
     @classmethod
     def _empty_is_none(cls, v: object) -> object:
@@ -52,3 +57,19 @@ def _normalise_db_url(url: str) -> str:
         if url.startswith(prefix):
             return "postgresql+psycopg://" + url[len(prefix):]
     return url
+
+
+def settings_error(exc: Exception) -> str:
+    """A pydantic ``ValidationError`` of ``GyreSettings`` in the names a user sets:
+    ``GYRE_LOG_LEVEL: ... (got 'LOUD')``, one problem after the other."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return str(exc)
+    parts = []
+    for err in errors():
+        field = str(err.get("loc", ("?",))[0])
+        msg = str(err.get("msg", "invalid"))
+        if err.get("type") == "string_pattern_mismatch" and field == "log_level":
+            msg = "must be DEBUG, INFO, WARNING or ERROR"
+        parts.append(f"GYRE_{field.upper()}: {msg} (got {err.get('input')!r})")
+    return "; ".join(parts)

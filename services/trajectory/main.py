@@ -36,6 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from libs.common.options import number_option
 from libs.common.service import ServiceContext, ServiceSpec
 
 from .advantages import AdvantageConfig
@@ -110,25 +111,45 @@ def ledger_config(run_id: str, options: dict[str, Any],
     if encode is None and options.get("model"):
         encode = load_policy_tokenizer(str(options["model"])).encode
 
-    def opt(name, cast, default):
-        value = options.get(name)
-        return default if value is None else cast(value)
+    def count(name: str, default: int | None, minimum: int | None, must_be: str) -> Any:
+        return number_option(options, name, default=default, label=_label(name), must_be=must_be,  # type: ignore[arg-type]
+                             integer=True, minimum=minimum)
 
+    scale = options.get("advantage_scale")
+    scale = "std" if scale is None or scale == "" else str(scale).strip().lower()
+    if scale not in ADVANTAGE_SCALES:
+        raise ValueError(f"{_label('advantage_scale')} must be one of {', '.join(ADVANTAGE_SCALES)}, "
+                         f"not {options.get('advantage_scale')!r}")
     return LedgerConfig(
         run_id=run_id,
-        budget=opt("budget", int, 5),
-        seed=opt("seed", int, 0),
-        micro_step_tokens=opt("micro_step_tokens", int, 65536),
-        max_piece_tokens=opt("max_piece_tokens", int, None),
-        group_size=opt("group_size", int, None),
-        train_undelivered=opt("train_undelivered", _flag, False),
-        advantage=AdvantageConfig(scale=opt("advantage_scale", str, "std")),
+        budget=count("budget", 5, 1, "a whole number of samples, at least 1"),
+        seed=count("seed", 0, None, "a whole number"),
+        micro_step_tokens=count("micro_step_tokens", 65536, 1, "a whole number of tokens, at least 1"),
+        max_piece_tokens=count("max_piece_tokens", None, 1, "a whole number of tokens, at least 1"),
+        group_size=count("group_size", None, 1, "a whole number of rollouts, at least 1"),
+        train_undelivered=_flag(options.get("train_undelivered", False), _label("train_undelivered")),
+        advantage=AdvantageConfig(scale=scale),  # type: ignore[arg-type]
         rules=harness_rules(encode),
     )
 
 
-def _flag(value: Any) -> bool:
-    return value if isinstance(value, bool) else str(value).strip().lower() in ("1", "true", "yes", "on")
+ADVANTAGE_SCALES = ("std", "none")
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def _label(name: str) -> str:
+    return f"{name} ({ENV[name]})"
+
+
+def _flag(value: Any, label: str = "flag") -> bool:
+    if isinstance(value, bool):
+        return value
+    text = "" if value is None else str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise ValueError(f"{label} must be true or false (1/0, yes/no, on/off), not {value!r}")
 
 
 # option -> variable: GYRE_TRAJECTORY_<OPTION>, the names ``gyre up`` sets

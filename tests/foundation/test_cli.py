@@ -229,10 +229,37 @@ def test_ctrl_c_stops_the_run_and_still_writes_the_report(tmp_path) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
-    assert proc.returncode == 0, out[-3000:]
+    assert proc.returncode == 130, out[-3000:]  # cut short: not a clean finish
+    assert "stopping" in out and "Traceback" not in out, out[-3000:]
     summary = json.loads((runs / "cc" / "summary.json").read_text())
-    assert summary["steps"] < 40  # stopped in the middle
+    assert summary["steps"] < 40 and summary["interrupted"] is True  # stopped in the middle, and says so
     assert (runs / "cc" / "report.html").exists() and (runs / "cc" / "report.json").exists()
+
+
+def test_sigterm_in_the_middle_exits_143_and_the_summary_says_interrupted(tmp_path) -> None:
+    runs = tmp_path / "runs"
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("GYRE_")}
+    proc = subprocess.Popen([sys.executable, "-m", "gyre", "up", "run.steps=40", "tasks.per_step=1", "group_size=2",
+                             "cells.count=1", "run.id=st", f"run.dir={runs}", "tasks.include=[starter_scale*]"],
+                            env=clean, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        workspaces = runs / "st" / "workspaces"
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and proc.poll() is None and not (workspaces.is_dir() and any(workspaces.iterdir())):
+            time.sleep(0.5)
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 143, out[-3000:]
+    assert "SIGTERM: stopping" in out and "Traceback" not in out, out[-3000:]
+    summary = json.loads((runs / "st" / "summary.json").read_text())
+    assert summary["interrupted"] is True and summary["steps"] < 40
+    # not a terminal: plain progress lines as it goes, not only the live table's last frame
+    assert out.startswith("starting\n") or "\nstarting\n" in out.split("SIGTERM: stopping")[0], out[-3000:]
 
 
 def test_the_runner_service_takes_its_options_from_the_environment() -> None:

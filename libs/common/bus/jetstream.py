@@ -80,20 +80,55 @@ def headers_for(event: Event) -> dict[str, str]:
     return {"Nats-Msg-Id": event.event_id, HDR_TYPE: event.TYPE}
 
 
-async def connect_nats(url: str, *, name: str = "gyre", creds: str | None = None, timeout_s: float = 5.0) -> NATS:
-    """Connect, failing fast with a clear message when nobody answers at ``url``."""
+async def connect_nats(url: str, *, name: str = "gyre", creds: str | None = None, timeout_s: float = 5.0,
+                       tries: int = 0) -> NATS:
+    """Connect to ``url``. ``tries`` > 0 (the CLI's tools): give up after that many failed
+    attempts with ``BusError("cannot connect to NATS at <url>: <reason>")``; 0 (services):
+    keep trying until NATS answers, so that a service outlives a NATS restart. Either way a
+    failed attempt is one log line (no traceback), and reconnects after a lost connection
+    never stop."""
+    last: list[BaseException] = []
+
+    def reason(exc: BaseException) -> str:
+        return str(exc) or type(exc).__name__
+
+    async def on_error(exc: Exception) -> None:
+        last[:] = [exc]
+        if tries > 0:
+            log.debug("nats %s: %s", url, reason(exc))
+        else:
+            log.warning("cannot reach NATS at %s: %s (retrying)", url, reason(exc))
+
+    async def on_disconnect() -> None:
+        if nc.is_reconnecting:  # not a close of ours
+            log.warning("disconnected from NATS at %s; reconnecting", url)
+
+    async def on_reconnect() -> None:
+        log.info("reconnected to NATS at %s", url)
+
+    nc = NATS()
     try:
-        return await nats.connect(
+        await nc.connect(
             url,
             name=name,
             user_credentials=creds,
             connect_timeout=timeout_s,
-            allow_reconnect=True,
-            max_reconnect_attempts=-1,
+            allow_reconnect=tries != 1,
+            # nats-py counts the first connect against the same limit: a tool stops after
+            # ``tries`` attempts; once connected the limit is lifted below
+            max_reconnect_attempts=tries - 1 if tries > 1 else -1,
             reconnect_time_wait=0.5,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
         )
     except Exception as exc:  # nats raises several unrelated types here
-        raise BusError(f"cannot connect to NATS at {url}: {exc!r}") from exc
+        cause = last[0] if last else exc
+        with contextlib.suppress(Exception):
+            await nc.close()
+        raise BusError(f"cannot connect to NATS at {url}: {reason(cause)}") from exc
+    nc.options["max_reconnect_attempts"] = -1
+    return nc
 
 
 class JetStreamBus:

@@ -47,14 +47,28 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _endpoint(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """(base URL, API key). The base URL is the server's root: a trailing ``/v1`` (as
+    OpenAI clients' base URLs have) is dropped, since the harness adds ``/v1/...`` itself."""
     env = os.environ
     base = args.base_url or env.get("GYRE_BASE_URL")
     if not base and args.api == "anthropic":
         base = env.get("ANTHROPIC_BASE_URL")
-    if not base and env.get("OPENAI_BASE_URL"):
-        base = env["OPENAI_BASE_URL"].rstrip("/").removesuffix("/v1")
+    if not base:
+        base = env.get("OPENAI_BASE_URL")
+    if base:
+        base = base.strip().rstrip("/").removesuffix("/v1").rstrip("/") or None
     key = env.get("GYRE_API_KEY") or env.get("ANTHROPIC_API_KEY" if args.api == "anthropic" else "OPENAI_API_KEY")
     return base, key
+
+
+def _missing(args: argparse.Namespace, base: str | None, key: str | None) -> str | None:
+    """What is missing to reach the model, in the names a user sets; None: nothing."""
+    vendor = "ANTHROPIC" if args.api == "anthropic" else "OPENAI"
+    if not base:
+        return f"no base URL (--base-url, GYRE_BASE_URL or {vendor}_BASE_URL)"
+    if not key:
+        return f"no API key (GYRE_API_KEY or {vendor}_API_KEY; a local server takes any non-empty key)"
+    return None
 
 
 def _stop_commands_with_the_agent() -> None:
@@ -76,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     _stop_commands_with_the_agent()
     base, key = _endpoint(args)
-    if not base or not key:
-        print("gyre agent: no base URL or API key (set GYRE_BASE_URL and GYRE_API_KEY)", file=sys.stderr)
+    missing = _missing(args, base, key)
+    if missing:
+        print(f"gyre agent: {missing}", file=sys.stderr)
         return 2
     prompt = args.prompt if args.prompt is not None else args.prompt_file.read_text(encoding="utf-8")
     config = AgentConfig(max_turns=args.max_turns, max_sub_turns=args.max_sub_turns, max_calls=args.max_calls,
