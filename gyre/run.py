@@ -30,6 +30,38 @@ from libs.common.runconfig import RunConfig
 log = logging.getLogger(__name__)
 
 
+class RunFailed(RuntimeError):
+    """The run cannot go on (a step whose rollouts the runner failed on); its message is one
+    line, also in ``Progress.errors`` (so in the summary's "errors")."""
+
+
+def _failed_line(what: str, exc: Any) -> str:
+    """One line for a ``StepFailed``: which rollouts (of which groups) failed, and why."""
+    parts = []
+    for err in exc.errors:
+        where = "; ".join(getattr(err, "__notes__", ())) or "a rollout"
+        cause = " ".join(str(err).split())
+        parts.append(f"{where} ({type(err).__name__}{': ' + cause if cause else ''})")
+    total = len(exc.errors) + len(exc.outcomes)
+    return (f"{what}: {len(exc.errors)} of {total} rollouts failed in the runner: {', '.join(parts)}; "
+            "the run stops here")
+
+
+async def _run_rollouts(what: str, runner: Any, progress: "Progress", *args: Any, **kw: Any) -> list[Any]:
+    """``runner.run_step``, with a step the runner failed on turned into ``RunFailed``."""
+    from services.runner.runner import StepFailed
+
+    try:
+        return await runner.run_step(*args, **kw)
+    except StepFailed as exc:
+        line = _failed_line(what, exc)
+        progress.errors.append(line)
+        progress.running = 0
+        progress.status = f"failed: {line}"
+        log.error("%s", line)
+        raise RunFailed(line) from exc
+
+
 @dataclass
 class Progress:
     step: int = -1
@@ -164,8 +196,9 @@ async def _evaluate(phase: str, step: int, runner: Any, bus: JetStreamBus, cfg: 
     """One greedy rollout per held-out task, marked ``purpose="eval"`` (never trained on)."""
     progress.status = f"eval {phase}: {len(tasks)} held-out tasks"
     progress.running += len(tasks)
-    outcomes = await runner.run_step(step, tasks, 1, weight_version=progress.weight_version, harness=harness,
-                                     purpose="eval", group_prefix=f"eval-{phase}-")
+    outcomes = await _run_rollouts(f"eval {phase}", runner, progress, step, tasks, 1,
+                                   weight_version=progress.weight_version, harness=harness, purpose="eval",
+                                   group_prefix=f"eval-{phase}-")
     progress.running -= len(outcomes)
     tests: dict[str, float] = {}
     await _scores(bus, cfg.run.id, {o.rollout_id for o in outcomes}, score_timeout_s, tests=tests)
@@ -266,8 +299,9 @@ async def run_steps(cfg: RunConfig, nats_url: str, proxy_url: str, progress: Pro
             if settled:
                 log.info("step %d: %d of its groups were settled before the restart; re-running the other %d tasks",
                          step, len(chosen) - len(todo), len(todo))
-            outcomes = await runner.run_step(step, todo, cfg.group_size, weight_version=progress.weight_version,
-                                             harness=harness, group_prefix=prefix)
+            outcomes = await _run_rollouts(f"step {step}", runner, progress, step, todo, cfg.group_size,
+                                           weight_version=progress.weight_version, harness=harness,
+                                           group_prefix=prefix)
             progress.running -= len(outcomes)
             progress.finished += sum(1 for o in outcomes if o.status == "finished")
             progress.timed_out += sum(1 for o in outcomes if o.status == "timed_out")

@@ -422,7 +422,7 @@ class MainJob:
         self.error: BaseException | None = None
 
     def start(self) -> None:
-        from gyre.run import run_steps
+        from gyre.run import RunFailed, run_steps
 
         async def steps() -> None:
             self._loop, self._task = asyncio.get_running_loop(), asyncio.current_task()
@@ -435,6 +435,8 @@ class MainJob:
                 asyncio.run(steps())
             except asyncio.CancelledError:  # stop(): the run was cut short
                 self.progress.status = "interrupted"
+            except RunFailed as exc:  # one line, already in progress.errors (and its status)
+                self.error = exc
             except BaseException as exc:  # shown by finish(); the stack is stopped either way
                 self.error = exc
                 self.progress.status = f"failed: {exc!r}"
@@ -466,6 +468,7 @@ class MainJob:
             if json_summary is not None:
                 json_summary.write_text(json.dumps(result, indent=2))
             console.print(json.dumps(result))
+            self._print_error(console)
             return 1 if self.error is not None else 0
 
         try:  # bounded: a stop in the middle of a run must not hang here
@@ -485,7 +488,15 @@ class MainJob:
         if json_summary is not None:
             json_summary.write_text(json.dumps(result, indent=2))
         console.print(json.dumps(result))
+        self._print_error(console)
         return 1 if self.error is not None else 0
+
+    def _print_error(self, console: Console) -> None:
+        if self.error is not None:
+            from gyre.run import RunFailed
+
+            what = str(self.error) if isinstance(self.error, RunFailed) else repr(self.error)
+            console.print(f"gyre: run failed: {what}", style="red", markup=False, highlight=False)
 
 
     def _cells_replay_same(self, settings: GyreSettings, console: Console) -> bool | None:

@@ -6,7 +6,9 @@ key) *before* the harness starts, run the harness under the task's time limit (o
 timeout its whole process group is killed: the rollout is partial, not failed), snapshot
 the workspace into the blob store, publish ``RolloutFinished`` / ``RolloutTimedOut``.
 A publish the bus refuses is tried again until it is taken or the runner stops: a
-rollout missing from the log would hold its group and its training step for good. For the
+rollout missing from the log would hold its group and its training step for good. Only a
+bus connection that is closed (it never comes back) ends the tries: ``BusClosed``, which
+says the group will not complete; the step then fails (``StepFailed``). For the
 same reason a rollout the runner itself fails on (its workspace cannot be prepared, an
 unexpected error) is still registered and ended, like a harness that cannot be launched.
 """
@@ -65,8 +67,8 @@ class RunnerConfig:
     keep_workspaces: bool = False
     snapshot_max_bytes: int = 256 * 2**20
     # Tries of a blob-store put before the snapshot is given up (the rollout still ends). A
-    # publish is never given up while the runner runs (see RolloutRunner._publish): after
-    # io_attempts tries it logs an error and goes on trying.
+    # publish is not given up while the runner runs and its bus connection is open (see
+    # RolloutRunner._publish): after io_attempts tries it logs an error and goes on trying.
     io_attempts: int = 5
     io_backoff_s: float = 0.5  # wait before the second try; doubled for each further one
     io_backoff_max_s: float = 30.0  # ... up to this; also the wait of a publish past io_attempts when io_backoff_s is 0
@@ -103,6 +105,27 @@ class StepFailed(RuntimeError):
         super().__init__(f"step {step}: {len(errors)} of {total} rollouts failed in the runner (after all of them "
                          f"had ended): {detail}; the other {len(outcomes)} outcomes are in .outcomes")
         self.step, self.outcomes, self.errors = step, outcomes, errors
+
+
+class BusClosed(RuntimeError):
+    """The runner's bus connection is closed (not merely refusing): a rollout's event can
+    never be published, so its group will not complete unless its step is run again."""
+
+
+def _bus_closed(bus: object, exc: BaseException | None = None) -> bool:
+    """Whether ``bus``'s connection is closed for good (or draining, which ends in closed):
+    nats-py raises ``ConnectionClosedError`` / ``ConnectionDrainingError`` for a publish on
+    it, and ``JetStreamBus.nc.is_closed`` says so."""
+    nc = getattr(bus, "nc", None)
+    if getattr(nc, "is_closed", False) is True:
+        return True
+    if exc is None:
+        return False
+    try:
+        from nats.errors import ConnectionClosedError, ConnectionDrainingError
+    except ImportError:  # pragma: no cover - nats-py is a dependency of the runner
+        return False
+    return isinstance(exc, (ConnectionClosedError, ConnectionDrainingError))
 
 
 def group_id_for(step: int, task_id: str) -> str:
@@ -183,6 +206,8 @@ class RolloutRunner:
                 else:
                     try:
                         state = await self._lifecycle(core.planned(plan), dirs, harness, api_key, task)
+                    except BusClosed:  # nothing can be published any more: no ending it either
+                        raise
                     except Exception as exc:  # an error of the runner's own: the rollout must still end
                         phase = self.running.get(rollout_id, core.planned(plan)).phase.value
                         state = await self._end_failed(plan, dirs, f"the runner failed on it while it was {phase}: "
@@ -207,6 +232,11 @@ class RolloutRunner:
         an event handed to it but not acknowledged is sent again as it was (same id and
         content, so the bus de-duplicates it), never in a second version."""
         rollout = plan.rollout_id
+        if _bus_closed(self.bus):
+            msg = (f"the bus connection is closed: rollout {rollout} cannot be ended ({reason}); group "
+                   f"{plan.group_id} will not complete unless its step is run again")
+            log.error("%s", msg, exc_info=exc)
+            raise BusClosed(msg) from exc
         state = self.running.get(rollout, core.planned(plan))
         new, effects = core.step(state, core.Failed(self.clock(), reason))
         self.running[rollout] = new
@@ -329,7 +359,8 @@ class RolloutRunner:
         hold both for good, so past ``io_attempts`` the runner logs an error and keeps
         trying (backoff up to ``io_backoff_max_s``) while it runs; the event's id is fixed
         per rollout, so a try whose ack was lost is de-duplicated. A stop (cancel) ends the
-        wait, logged with what it leaves incomplete."""
+        wait, logged with what it leaves incomplete. A closed bus connection (it never comes
+        back) ends it too: ``BusClosed``, logged likewise, instead of trying for good."""
         rollout, group = plan.rollout_id, plan.group_id
         if isinstance(event, RolloutStarted):
             members = f"all {plan.group_size} of its rollouts" if plan.group_size else "it"
@@ -350,13 +381,20 @@ class RolloutRunner:
 
         try:
             await self._retry(f"publishing {event.TYPE} of rollout {rollout}", lambda: self.bus.publish(event),
-                              on_failure=refused, keep_trying=stuck)
+                              on_failure=refused, keep_trying=stuck, give_up=lambda exc: _bus_closed(self.bus, exc))
         except asyncio.CancelledError:
             if rollout in self.waiting_for_bus:
                 log.error("rollout %s: stopped while the bus refused its %s (for %.1f s): %s; group %s will not "
                           "complete unless its step is run again", rollout, event.TYPE, self.clock() - began, left,
                           group)
             raise
+        except Exception as exc:  # only a closed bus ends the tries (see give_up)
+            if not _bus_closed(self.bus, exc):
+                raise
+            msg = (f"the bus connection is closed: {event.TYPE} of rollout {rollout} cannot be published "
+                   f"({left}); group {group} will not complete unless its step is run again")
+            log.error("%s (%r)", msg, exc)
+            raise BusClosed(msg) from exc
         finally:
             waited = self.waiting_for_bus.pop(rollout, None)
         self._taken.add(event.event_id)
@@ -365,11 +403,13 @@ class RolloutRunner:
                         self.clock() - began)
 
     async def _retry(self, what: str, attempt: Callable[[], Awaitable[T]], *,
-                     on_failure: Callable[[], None] = lambda: None, keep_trying: str | None = None) -> T:
+                     on_failure: Callable[[], None] = lambda: None, keep_trying: str | None = None,
+                     give_up: Callable[[Exception], bool] = lambda exc: False) -> T:
         """``attempt()``, tried up to ``io_attempts`` times with a doubling backoff (at most
         ``io_backoff_max_s``); the last failure is raised. With ``keep_trying`` (why) it is
         logged as an error with that reason instead, and the tries go on until one succeeds
-        or the caller is cancelled."""
+        or the caller is cancelled. A failure ``give_up`` says no try can mend is raised at
+        once."""
         attempts, cap = self.config.io_attempts, self.config.io_backoff_max_s
         delay = min(self.config.io_backoff_s, cap)
         n = 0
@@ -379,6 +419,8 @@ class RolloutRunner:
                 return await attempt()
             except Exception as exc:
                 on_failure()
+                if give_up(exc):
+                    raise
                 if n < attempts:
                     log.warning("%s failed (try %d of %d, again in %.3g s): %r", what, n, attempts, delay, exc)
                 elif keep_trying is None:
