@@ -97,10 +97,10 @@ class Engine:
             max_running_tokens=settings.running_kv_bytes // runner.shape.kv_bytes_per_token,
         )
         self.prefix_cache = PrefixKVCache(runner.shape, settings.kv_cache_bytes)
-        self.weight_version = settings.weight_version
         # +1 on every write of weight values (weights.WeightManager._write); the version label
         # can stay while values change, so staleness of KV is judged by this counter.
         self.weight_generation = 0
+        self.weight_version = settings.weight_version  # (after weight_generation: see its setter)
         self.eos_ids = _eos_ids(runner, tokenizer)
         self.vocab_limit = min(runner.shape.vocab_size, max(len(tokenizer), 1))
         self.released: set[str] = set()  # memory tags released ("weights", "kv_cache")
@@ -112,6 +112,34 @@ class Engine:
         self.steps = 0
         self.generated_tokens = 0
         self.metrics = EngineMetrics()
+
+    # -- the weight version label ------------------------------------------------------
+    @property
+    def weight_version(self) -> str:
+        """The label of the weights being served (SGLang's ``weight_version``)."""
+        return self._weight_version
+
+    @weight_version.setter
+    def weight_version(self, value: str) -> None:
+        # setting the label vouches for the values as they are now
+        self._weight_version = value
+        self._label_generation = self.weight_generation
+
+    @property
+    def weight_label_stale(self) -> bool:
+        """True when weight values were written since the label was last set: an update
+        sent without ``weight_version`` changes the values and keeps the old label. Set by
+        any unlabelled write, cleared by a labelled one (or ``/update_weight_version``)."""
+        return self._label_generation != self.weight_generation
+
+    def check_weight_label(self, what: str) -> None:
+        """Refuses KV traffic (``what``) that trusts the label while the label is stale: KV
+        from another cell under the same label was computed with other weights."""
+        if self.weight_label_stale:
+            raise InvalidRequest(
+                f"{what} refused: this cell's weights were changed by an update without weight_version "
+                f"since its label {self._weight_version!r} was set, so the label no longer says which weights "
+                f"it runs; set one (update_weight_version, or an update with weight_version) first")
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:

@@ -19,7 +19,7 @@ from . import kv_transfer
 from .engine import Engine, EngineBusy, MemoryReleased
 from .http_body import json_body as _json_body
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from .params import GenerateRequest, InvalidRequest, parse_sampling_params
+from .params import GenerateRequest, InvalidRequest, parse_generate_request, parse_sampling_params
 from .scheduler import PauseMode
 from .settings import EngineSettings
 from .weights import WeightManager, WeightUpdateError, deserialize_named_tensors
@@ -264,13 +264,17 @@ def _memory_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin) 
 
 
 async def _generate(engine: Engine, body: dict, request: Request | None = None) -> Response:
-    try:
-        req = GenerateRequest.model_validate(body)
-    except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+    req = parse_generate_request(body)
     prompts, batched = _prompts(engine, req)
     if batched and isinstance(req.rid, str):
         raise InvalidRequest("rid must be a list (one id per prompt) when input_ids is a batch")
+    if batched and isinstance(req.rid, list):
+        # two prompts of one batch under one id: the second would be refused only while the
+        # first still runs, and both answers would carry the same id
+        rids = req.rid[:len(prompts)]
+        repeated = sorted({rid for rid in rids if rids.count(rid) > 1})
+        if repeated:
+            raise InvalidRequest(f"rid must be unique within a batch; repeated: {', '.join(map(repr, repeated))}")
     seqs = []
     for i, ids in enumerate(prompts):
         if _pick(req, "logprob_start_len", i, batched) not in (-1, None):

@@ -96,7 +96,12 @@ class KVPort:
         # thread keeps its last command, result included, until the next one comes, which
         # would keep the KV alive after the offer is released or expired)
         box: list = []
-        await engine.acall(lambda: box.append((*engine.prefix_cache.export(input_ids), engine.weight_version)))
+
+        def export() -> None:
+            engine.check_weight_label("KV offer")  # its label would vouch for weights it does not name
+            box.append((*engine.prefix_cache.export(input_ids), engine.weight_version))
+
+        await engine.acall(export)
         matched, kv, version = box.pop()
         if matched == 0:
             return PeerDescriptor(self.agent.backend, self.agent.endpoint,
@@ -124,6 +129,7 @@ class KVPort:
         ids = [int(t) for t in peer.meta.get("token_ids", [])]
         if not ids:
             return {"success": True, "added_tokens": 0, "tokens": 0, "bytes": 0, "backend": peer.backend}
+        generation = self.engine.weight_generation  # any write after this makes the fetched KV stale
         self._check(peer)
         started = time.perf_counter()
         try:
@@ -141,8 +147,9 @@ class KVPort:
         def apply() -> dict:
             if "kv_cache" in engine.released:  # the cell went to training meanwhile
                 raise MemoryReleased("the KV cache's memory is released; resume it before importing a prefix")
-            if engine.weight_version != peer.meta.get("weight_version"):  # an update landed meanwhile
-                raise InvalidRequest("weight version changed during the transfer; KV not imported")
+            # an update landed meanwhile (one without weight_version keeps the label: hence the counter)
+            if engine.weight_version != peer.meta.get("weight_version") or engine.weight_generation != generation:
+                raise InvalidRequest("weights changed during the transfer; KV not imported")
             try:
                 added = engine.prefix_cache.import_(ids, kv)
             except ValueError as exc:
@@ -193,6 +200,7 @@ class KVPort:
         if meta.get("weight_version") != engine.weight_version:
             raise InvalidRequest(f"KV is from weight version {meta.get('weight_version')!r}, "
                                  f"this cell runs {engine.weight_version!r}")
+        engine.check_weight_label("KV import")  # the label matched, but this cell's weights may not be that version
         s = engine.runner.shape
         expected = [s.layers, 2, s.kv_heads, len(meta["token_ids"]), s.head_dim]
         if list(meta.get("shape", [])) != expected or meta.get("dtype") != "float32":

@@ -4,8 +4,10 @@
 ``kv`` of shape ``[layers, 2, kv_heads, n, head_dim]``, float32) whose metadata holds the
 ``n`` matched ``input_ids`` and the ``weight_version``; ``POST /gyre/kv/import`` takes that
 file back and puts the prefix into this cell's cache. Import refuses KV from another weight
-version (it would be stale) and KV whose shape does not fit this model. The transfer
-engines (Mooncake/UCX) can carry the same tensor; HTTP is the simple path.
+version (it would be stale) and KV whose shape does not fit this model. Since the label is
+all that is compared, both ends refuse while their label is stale: weights written by an
+update without ``weight_version`` since the label was set (``Engine.check_weight_label``).
+The transfer engines (Mooncake/UCX) can carry the same tensor; HTTP is the simple path.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ def export_prefix(engine: Engine, input_ids: list[int]) -> bytes:
     """Engine thread: the cached prefix of ``input_ids`` as safetensors bytes."""
     from safetensors.torch import save
 
+    engine.check_weight_label("KV export")  # its label would vouch for weights it does not name
     matched, kv = engine.prefix_cache.export(input_ids)
     meta = {"input_ids": json.dumps(input_ids[:matched]), "weight_version": engine.weight_version}
     return save({"kv": kv.contiguous()}, metadata=meta)
@@ -66,6 +69,7 @@ def _import(engine: Engine, blob: bytes) -> tuple[list[int], int]:
         raise InvalidRequest(
             f"KV is from weight version {meta.get('weight_version')!r}, this cell runs {engine.weight_version!r}"
         )
+    engine.check_weight_label("KV import")  # the label matched, but this cell's weights may not be that version
     if not ids:
         return ids, 0
     try:

@@ -8,9 +8,11 @@ neutral values, so a client never silently gets a different sampler than it aske
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, StrictBool, ValidationError, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 
 class InvalidRequest(ValueError):
@@ -47,33 +49,55 @@ def logprob_temperature(temperature: float | None) -> float:
     return 1.0 if temperature < GREEDY_TEMPERATURE_EPS else float(temperature)
 
 
+def _no_bool_or_str(kind: str):
+    """A before-check for a number field: JSON ``true`` and ``"7"`` are refused (pydantic's
+    lax mode would make them 1 and 7). Numbers go on to the usual check: ints stay ints (an
+    integral float such as 1.0 is still taken, as before), a float field takes ints too."""
+    error, text = ("int_type", "Input should be a valid integer") if kind == "int" else \
+        ("float_type", "Input should be a valid number")
+
+    def check(value: Any) -> Any:
+        if isinstance(value, (bool, str, bytes)):
+            raise PydanticCustomError(error, text + ", got {got}", {"got": type(value).__name__})
+        return value
+
+    return BeforeValidator(check)
+
+
+# Number fields of a request: no booleans or strings standing in for numbers. Booleans are
+# strict too (only JSON true/false).
+Int = Annotated[int, _no_bool_or_str("int")]
+Float = Annotated[float, _no_bool_or_str("float")]
+Bool = StrictBool
+
+
 class SamplingParams(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    max_new_tokens: int = Field(default=128, ge=0)
-    min_new_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, allow_inf_nan=False)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = -1  # -1 (or 0): no top-k cut
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    max_new_tokens: Int = Field(default=128, ge=0)
+    min_new_tokens: Int = Field(default=0, ge=0)
+    temperature: Float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, allow_inf_nan=False)
+    top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: Int = -1  # -1 (or 0): no top-k cut
+    min_p: Float = Field(default=0.0, ge=0.0, le=1.0)
     stop: list[str] = Field(default_factory=list)
-    stop_token_ids: list[int] = Field(default_factory=list)
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
-    no_stop_trim: bool = False
-    sampling_seed: int | None = None
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    stop_token_ids: list[Int] = Field(default_factory=list)
+    ignore_eos: Bool = False
+    skip_special_tokens: Bool = True
+    spaces_between_special_tokens: Bool = True
+    no_stop_trim: Bool = False
+    sampling_seed: Int | None = None
+    n: Int = 1
+    frequency_penalty: Float = 0.0
+    presence_penalty: Float = 0.0
+    repetition_penalty: Float = 1.0
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None
     structural_tag: str | None = None
     custom_params: dict[str, Any] | None = None
-    stream_interval: int | None = None
-    logit_bias: dict[str, float] | None = None
+    stream_interval: Int | None = None
+    logit_bias: dict[str, Float] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -151,18 +175,44 @@ def _describe(exc: ValidationError) -> str:
     return "; ".join(parts)
 
 
+def parse_generate_request(body: Any) -> "GenerateRequest":
+    """A `/generate` body, or :class:`InvalidRequest` naming each bad field."""
+    try:
+        return GenerateRequest.model_validate(body)
+    except ValidationError as exc:
+        raise InvalidRequest(_describe_union(exc)) from None
+
+
+def _describe_union(exc: ValidationError) -> str:
+    """One part per bad top-level field. A field that takes one value or a list (or a list
+    of lists) fails once per union member; the member that got furthest is the one meant."""
+    by_field: dict[str, list[dict]] = {}
+    for err in exc.errors():
+        by_field.setdefault(str(err["loc"][0]) if err["loc"] else "body", []).append(err)
+
+    def reach(err: dict) -> tuple[bool, int]:  # a value's own error over "not a list", then depth
+        return err["type"] != "list_type", sum(isinstance(p, int) for p in err["loc"])
+
+    parts = []
+    for field, errs in by_field.items():
+        best = max(errs, key=reach)  # max keeps the first of equals
+        where = ".".join([field, *(str(p) for p in best["loc"][1:] if isinstance(p, int))])
+        parts.append(f"{where}: {best['msg']}")
+    return "; ".join(parts)
+
+
 class GenerateRequest(BaseModel):
     """One `/generate` body; unknown top-level keys are ignored, as SGLang does."""
 
     model_config = ConfigDict(extra="ignore")
 
-    input_ids: list[int] | list[list[int]] | None = None
+    input_ids: list[Int] | list[list[Int]] | None = None
     text: str | list[str] | None = None
     sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    return_logprob: bool | list[bool] = False
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
-    stream: bool = False
+    return_logprob: Bool | list[Bool] = False
+    logprob_start_len: Int | list[Int] = -1
+    top_logprobs_num: Int | list[Int] = 0
+    stream: Bool = False
     rid: str | list[str] | None = None
 
 

@@ -21,11 +21,70 @@ ONE = {"max_new_tokens": 1}
     ({"input_ids": [1, 2], "sampling_params": {**ONE, "sampling_seed": -1, "temperature": 1.0}}, "sampling_seed"),
     ({"input_ids": [1, 2], "sampling_params": {**ONE, "temperature": "NaN"}}, "temperature"),
     ({"input_ids": [1, 2], "sampling_params": {**ONE, "temperature": "inf"}}, "temperature"),
+    # no quiet coercion to numbers (pydantic's lax mode made these 1, 7 and 1)
+    ({"input_ids": [True, 2], "sampling_params": ONE}, "input_ids.0"),
+    ({"input_ids": ["7", 2], "sampling_params": ONE}, "input_ids.0"),
+    ({"input_ids": [[1, 2], [3, False]], "sampling_params": ONE}, "input_ids.1.1"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": True}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": "3"}}, "max_new_tokens"),
+    ({"input_ids": [1, 2], "sampling_params": {**ONE, "stop_token_ids": [True]}}, "stop_token_ids.0"),
+    ({"input_ids": [1, 2], "sampling_params": {**ONE, "top_k": True}}, "top_k"),
+    ({"input_ids": [1, 2], "sampling_params": {**ONE, "temperature": True}}, "temperature"),
+    ({"input_ids": [1, 2], "sampling_params": {**ONE, "ignore_eos": "yes"}}, "ignore_eos"),
+    ({"input_ids": [1, 2], "sampling_params": ONE, "return_logprob": "yes"}, "return_logprob"),
+    ({"input_ids": [1, 2], "sampling_params": ONE, "return_logprob": True, "top_logprobs_num": True},
+     "top_logprobs_num"),
+    ({"input_ids": [1, 2], "sampling_params": ONE, "stream": "true"}, "stream"),
+    ({"input_ids": [1, 2], "sampling_params": ONE, "rid": 5}, "rid"),
+    # one id per prompt: a repeated one answered twice under one id (or was refused only
+    # when the first prompt was still running)
+    ({"input_ids": [[1, 2], [3]], "sampling_params": ONE, "rid": ["a", "a"]}, "rid must be unique"),
+    ({"input_ids": [[1, 2], [3], [4]], "sampling_params": ONE, "rid": ["a", "b", "a"]}, "'a'"),
 ])
 async def test_bad_generate_bodies_are_a_400(http, body, says):
     response = await http.post("/generate", json=body)
     assert response.status_code == 400, response.text
     assert says in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [
+    {"input_ids": [1.0, 2], "sampling_params": {"max_new_tokens": 2.0}},  # integral floats, as before
+    {"input_ids": [1, 2], "sampling_params": {**ONE, "temperature": 1, "top_p": 1, "min_p": 0, "top_k": 0}},
+    {"input_ids": [1, 2], "sampling_params": {**ONE, "ignore_eos": True, "stop_token_ids": [3]},
+     "return_logprob": True, "top_logprobs_num": 2, "logprob_start_len": -1, "rid": "typed-ok"},
+    {"input_ids": [[1, 2], [3]], "sampling_params": [ONE, ONE], "return_logprob": [True, False],
+     "top_logprobs_num": [1, 0], "rid": ["typed-a", "typed-b"]},
+])
+async def test_well_typed_bodies_stay_valid(http, body):
+    response = await http.post("/generate", json=body)
+    assert response.status_code == 200, response.text
+
+
+async def test_a_rid_still_running_is_refused_and_the_running_one_goes_on(http, shared_service):
+    import asyncio
+
+    long = {"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True}
+    blocker = asyncio.create_task(http.post("/generate", json={"input_ids": [1, 2, 3], "sampling_params": long,
+                                                               "rid": "running-once"}))
+    engine = shared_service.engine
+    for _ in range(500):
+        if engine.call(lambda: "running-once" in engine._live).result():
+            break
+        await asyncio.sleep(0.01)
+    response = await http.post("/generate", json={"input_ids": [4, 5], "sampling_params": ONE,
+                                                  "rid": "running-once"})
+    assert response.status_code == 400 and "already in flight" in response.json()["error"]["message"]
+    assert (await http.post("/abort_request", json={"rid": "running-once"})).json()["num_aborted"] == 1
+    await blocker
+
+
+async def test_a_batch_with_a_repeated_rid_starts_nothing(http, shared_service):
+    long = {"max_new_tokens": 5000, "temperature": 0, "ignore_eos": True}
+    response = await http.post("/generate", json={"input_ids": [[1, 2], [3, 4]], "sampling_params": long,
+                                                  "rid": ["twice", "twice"]})
+    assert response.status_code == 400, response.text
+    engine = shared_service.engine
+    assert engine.call(lambda: list(engine._live)).result() == []
 
 
 async def test_the_largest_seed_is_accepted(http):

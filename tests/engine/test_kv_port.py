@@ -17,6 +17,9 @@ class _UpdateRightAfterEachCommand:
         self.prefix_cache = engine.prefix_cache
         self.weight_version = "old"
 
+    def check_weight_label(self, what: str) -> None:
+        self._engine.check_weight_label(what)
+
     async def acall(self, fn):
         result = await self._engine.acall(fn)
         self.weight_version = "new"
@@ -223,3 +226,99 @@ async def test_an_import_the_cache_cannot_keep_is_not_reported_as_migrated(http,
         for agent in agents:
             agent.close()
         small.close()
+
+
+# -- the weight_version label is all an import compares: an unlabelled update makes it lie ---
+
+
+EMBED = "model.embed_tokens.weight"
+
+
+def _perturbed_embed(service):
+    import torch
+
+    weight = service.engine.runner.model.get_parameter(EMBED).detach()
+    return weight + 0.5 * torch.randn(weight.shape, generator=torch.Generator().manual_seed(1))
+
+
+async def test_an_unlabelled_weight_update_makes_the_target_refuse_kv_until_a_label_is_set(http, shared_service,
+                                                                                              fresh_service):
+    """A tensor update without weight_version changed the target's weights and kept label
+    "0": KV from a cell really at "0" was taken in, stale."""
+    import pytest
+
+    from services.engine.client import CellError
+    from services.engine.weights import serialize_named_tensors
+    from tests.engine._fakes import LoopbackAgent
+    from tests.engine.conftest import asgi_client
+
+    await _cached(http, PROMPT)
+    agents = [LoopbackAgent(), LoopbackAgent()]
+    src = kv_port.KVPort(shared_service.engine, agents[0])
+    dst = kv_port.KVPort(fresh_service.engine, agents[1])
+    offer = await src.offer(PROMPT)
+    try:
+        async with asgi_client(fresh_service, admin_token="secret") as target, \
+                asgi_client(shared_service) as source:
+            blob = await source.kv_export(PROMPT)
+            await target.update_weights_from_tensor(serialize_named_tensors([(EMBED, _perturbed_embed(fresh_service))]))
+            assert (await target.model_info())["weight_version"] == shared_service.engine.weight_version
+            with pytest.raises(CellError) as err:  # HTTP import
+                await target.kv_import(blob)
+            assert err.value.status == 400 and "without weight_version" in err.value.message
+            with pytest.raises(kv_port.InvalidRequest, match="without weight_version"):  # the port
+                await dst.fetch(offer)
+            assert fresh_service.engine.prefix_cache.cached_tokens == 0
+            # the cell's own exports would carry the lying label too
+            with pytest.raises(CellError) as err:
+                await target.kv_export(PROMPT)
+            assert err.value.status == 400 and "without weight_version" in err.value.message
+            with pytest.raises(kv_port.InvalidRequest, match="without weight_version"):
+                await dst.offer(PROMPT)
+            # a label set afresh vouches for the weights as they are: imports are taken again
+            await target._post("/update_weight_version", {"new_version": shared_service.engine.weight_version})
+            assert fresh_service.engine.weight_label_stale is False
+            assert (await target.kv_import(blob))["success"]
+            # a labelled update keeps the label true; an unlabelled one after it makes it stale again
+            await target.update_weights_from_tensor(serialize_named_tensors([(EMBED, _perturbed_embed(fresh_service))]),
+                                                    weight_version="9")
+            assert fresh_service.engine.weight_label_stale is False
+            await target.update_weights_from_tensor(serialize_named_tensors([(EMBED, _perturbed_embed(fresh_service))]))
+            assert fresh_service.engine.weight_label_stale is True
+    finally:
+        src.release(offer["meta"]["lease"])
+        for agent in agents:
+            agent.close()
+
+
+async def test_an_unlabelled_update_during_a_port_transfer_drops_the_fetched_kv(http, shared_service, fresh_service,
+                                                                              monkeypatch):
+    """The version check after the transfer compared labels only: an update without
+    weight_version landing mid-transfer kept the label, and the KV went in."""
+    import pytest
+
+    from tests.engine._fakes import LoopbackAgent
+
+    await _cached(http, PROMPT)
+    agents = [LoopbackAgent(), LoopbackAgent()]
+    src = kv_port.KVPort(shared_service.engine, agents[0])
+    dst = kv_port.KVPort(fresh_service.engine, agents[1])
+    offer = await src.offer(PROMPT)
+    real_fetch = kv_port.fetch_kv
+    weights = fresh_service.weights
+
+    def fetch_then_update(*args, **kwargs):
+        got = real_fetch(*args, **kwargs)
+        checked = weights.check_all([(EMBED, _perturbed_embed(fresh_service))])
+        weights.submit(checked, None).result(timeout=60)  # as a distributed update without weight_version
+        return got
+
+    monkeypatch.setattr(kv_port, "fetch_kv", fetch_then_update)
+    try:
+        with pytest.raises(kv_port.InvalidRequest, match="changed during the transfer"):
+            await dst.fetch(offer)
+        assert fresh_service.engine.prefix_cache.cached_tokens == 0
+    finally:
+        src.release(offer["meta"]["lease"])
+        for agent in agents:
+            agent.close()
