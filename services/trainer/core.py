@@ -77,9 +77,11 @@ Publisher = Callable[[int, dict[str, torch.Tensor]], Awaitable[list[str]]]
 # one more for a reader that looked up the newest event just before two publications
 DEFAULT_KEEP_WEIGHTS = 3
 MIN_KEEP_WEIGHTS = 2
-# a micro-step no cell finished in this long (after its weights were published, it was
-# read, or last claimed) is computed by the core: longer than any micro-step should take
-DEFAULT_REQUEUE_AFTER_S = 1800.0
+# The watchdog's timer is off by default (dead letters only): in colocate, or under high
+# demand, no cell trains for hours while micro-steps wait, and a core that computed them
+# then would train while its cell serves (against GYRE_TRAINER_FOLLOW_ROLE). Set it (e.g.
+# 1800 s) where a cell that hangs with its claim alive is the greater risk.
+DEFAULT_REQUEUE_AFTER_S: float | None = None
 RESUME_BEHIND_LOG_ENV = "GYRE_TRAINER_RESUME_BEHIND_LOG"
 
 
@@ -97,7 +99,7 @@ class CoreSettings:
     max_staleness: int | None = None  # as the workers': a micro-step computed here refuses the same samples
     keep_checkpoints: int | None = None  # newest checkpoints kept (None: all; replay of step N needs step N's)
     keep_weights: int | None = DEFAULT_KEEP_WEIGHTS  # newest published weight blobs kept (None: all; >= 2)
-    requeue_after_s: float | None = DEFAULT_REQUEUE_AFTER_S  # the watchdog's wait (None or 0: dead letters only)
+    requeue_after_s: float | None = DEFAULT_REQUEUE_AFTER_S  # the watchdog's wait (None or 0, default: dead letters only)
     watch_every_s: float = 1.0  # how often the watchdog looks
     work_queue: str = "trainer-work"  # the workers' queue_name: whose dead letters the core reads
     resume_behind_log: bool = False  # operator's override: resume from a checkpoint behind the log

@@ -25,8 +25,8 @@ around every update; an engine that refuses updates while it generates is paused
 leave requests, ``gate.py``; the core applies updates in every role), ``requeue_after_s``
 (core: a micro-step of the current step that no cell finished within this many seconds of
 its weights being published, the core reading it or its last claim is computed by the
-core; default 1800, 0: only those the work queue dead-lettered, which the core always
-computes; ``core.py``), ``resume_behind_log`` (core, ``GYRE_TRAINER_RESUME_BEHIND_LOG=1``:
+core; default 0, off: only those the work queue dead-lettered, which the core always
+computes; a core computing them would train while its cell serves; ``core.py``), ``resume_behind_log`` (core, ``GYRE_TRAINER_RESUME_BEHIND_LOG=1``:
 the operator's override to resume from a checkpoint older than the log's last
 ``StepApplied``, which the core otherwise refuses: it would train applied steps again and
 publish their versions a second time with other bytes). A malformed
@@ -134,7 +134,7 @@ def requeue_after_s(options: dict[str, Any]) -> float | None:
     """The ``requeue_after_s`` option: the core's watchdog wait (None: dead letters only)."""
     from .core import DEFAULT_REQUEUE_AFTER_S
 
-    value = number_option(options, "requeue_after_s", default=DEFAULT_REQUEUE_AFTER_S, minimum=0,
+    value = number_option(options, "requeue_after_s", default=DEFAULT_REQUEUE_AFTER_S or 0, minimum=0,
                           label="requeue_after_s (GYRE_TRAINER_REQUEUE_AFTER_S)",
                           must_be="a finite number of seconds >= 0 (0: only dead-lettered micro-steps)")
     return value or None

@@ -226,9 +226,11 @@ async def test_a_watchdog_computation_that_fails_is_tried_again_and_does_not_sto
     assert core.state.weight_version == 1
 
 
-def test_the_core_settings_default_to_a_watchdog():
+def test_the_core_settings_default_to_dead_letters_only():
+    """The timer is opt-in: a core computing waiting micro-steps would train while its cell
+    serves (colocate, high demand); dead-lettered ones it always computes."""
     s = CoreSettings(RUN)
-    assert s.requeue_after_s and s.requeue_after_s >= 600 and not s.resume_behind_log
+    assert not s.requeue_after_s and not s.resume_behind_log
 
 
 def test_the_watch_waits_from_the_latest_of_opening_reading_and_claiming():

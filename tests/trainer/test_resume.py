@@ -101,7 +101,8 @@ def test_the_override_is_an_option_of_the_service():
 
     assert ENV["resume_behind_log"] == "GYRE_TRAINER_RESUME_BEHIND_LOG"
     assert ENV["requeue_after_s"] == "GYRE_TRAINER_REQUEUE_AFTER_S"
-    assert requeue_after_s({}) == 1800.0 and requeue_after_s({"requeue_after_s": "0"}) is None
+    assert requeue_after_s({}) is None and requeue_after_s({"requeue_after_s": "0"}) is None
+    assert requeue_after_s({"requeue_after_s": "1800"}) == 1800.0
     with pytest.raises(ValueError, match="GYRE_TRAINER_REQUEUE_AFTER_S"):
         requeue_after_s({"requeue_after_s": "-1"})
 
