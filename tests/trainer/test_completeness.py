@@ -149,14 +149,7 @@ async def test_a_micro_step_computed_twice_is_applied_once(js_bus, tmp_path):
     """The core computes a dead-lettered micro-step; a cell's result for it comes after all
     (it was only slow): passed over. The other way round, a micro-step whose result is in
     is not computed again when a dead letter names it."""
-    blobs = MemoryBlobStore()
-    core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
-    core.settings = replace(core.settings, requeue_after_s=None)
-    await core.start()
-    steps = _steps()
-    await _queue(js_bus, blobs, 0, steps[0])
-    for d in [d async for d in js_bus.read(Context.TREES) if isinstance(d.event, MicroStepQueued)]:
-        await core.on_queued(d.event)
+    core, blobs, steps = await _core_with_step_0_read(js_bus, tmp_path)
     computed = []
     recompute = core._recompute
 
@@ -179,7 +172,8 @@ async def test_a_micro_step_computed_twice_is_applied_once(js_bus, tmp_path):
     assert _same_weights(core.backend, _reference_one_step(steps[0])) < 1e-6
 
 
-async def test_a_dead_letter_for_a_micro_step_already_in_is_not_computed_again(js_bus, tmp_path):
+async def _core_with_step_0_read(js_bus, tmp_path):
+    """A core alone (timer off) that has read step 0's queued micro-steps; its blob store; the steps."""
     blobs = MemoryBlobStore()
     core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
     core.settings = replace(core.settings, requeue_after_s=None)
@@ -188,6 +182,11 @@ async def test_a_dead_letter_for_a_micro_step_already_in_is_not_computed_again(j
     await _queue(js_bus, blobs, 0, steps[0])
     for d in [d async for d in js_bus.read(Context.TREES) if isinstance(d.event, MicroStepQueued)]:
         await core.on_queued(d.event)
+    return core, blobs, steps
+
+
+async def test_a_dead_letter_for_a_micro_step_already_in_is_not_computed_again(js_bus, tmp_path):
+    core, blobs, steps = await _core_with_step_0_read(js_bus, tmp_path)
     computed = []
 
     async def counting(ev, **kw):
