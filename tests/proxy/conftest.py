@@ -88,3 +88,20 @@ async def proxy(tmp_path, renderer) -> AsyncIterator[ProxyHarness]:
             for s in served.values():
                 s.stop()
             await bus.close()
+
+
+@pytest.fixture
+async def sdk():
+    """Wraps the anthropic/openai SDKs' async clients a test makes and closes them in the
+    test's own event loop. An SDK client left open is closed by its __del__ whenever it is
+    collected, in a later test's loop, where its transport's loop is gone: that logs
+    'Task exception was never retrieved' into the later test."""
+    made: list = []
+
+    def keep(client):
+        made.append(client)
+        return client
+
+    yield keep
+    for client in made:
+        await client.close()

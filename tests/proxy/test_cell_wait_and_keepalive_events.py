@@ -127,21 +127,21 @@ async def calls_of(proxy, rollout: str, n: int = 1) -> list:
 async def served_by_sdk(api: str, base: str):
     """One streamed call through the API's real SDK (which would retry an HTTP error)."""
     if api == "anthropic":
-        ac = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=2)
-        async with ac.messages.stream(model="m", max_tokens=500, tools=TOOLS_AN,
-                                      messages=[{"role": "user", "content": "write"}]) as st:
-            msg = await st.get_final_message()
+        async with anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=2) as ac:
+            async with ac.messages.stream(model="m", max_tokens=500, tools=TOOLS_AN,
+                                          messages=[{"role": "user", "content": "write"}]) as st:
+                msg = await st.get_final_message()
         assert msg.stop_reason == "tool_use" and msg.content[0].input == {"content": ARGS}
         return
-    oc = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=2)
-    if api == "chat":
-        async with oc.chat.completions.stream(model="m", tools=TOOLS_OA,
-                                              messages=[{"role": "user", "content": "write"}]) as st:
-            done = await st.get_final_completion()
-        assert json.loads(done.choices[0].message.tool_calls[0].function.arguments) == {"content": ARGS}
-        return
-    async with oc.responses.stream(model="m", input="write", tools=TOOLS_RS) as st:
-        final = await st.get_final_response()
+    async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=2) as oc:
+        if api == "chat":
+            async with oc.chat.completions.stream(model="m", tools=TOOLS_OA,
+                                                  messages=[{"role": "user", "content": "write"}]) as st:
+                done = await st.get_final_completion()
+            assert json.loads(done.choices[0].message.tool_calls[0].function.arguments) == {"content": ARGS}
+            return
+        async with oc.responses.stream(model="m", input="write", tools=TOOLS_RS) as st:
+            final = await st.get_final_response()
     assert [o.type for o in final.output] == ["function_call"] and json.loads(final.output[0].arguments) == {
         "content": ARGS}
 
@@ -355,7 +355,7 @@ async def test_a_stopping_proxy_ends_the_wait(proxy) -> None:
 # -- 2: each API's own keepalive -------------------------------------------------------------
 
 
-async def test_responses_keepalives_are_in_progress_events_the_sdk_reads(proxy) -> None:
+async def test_responses_keepalives_are_in_progress_events_the_sdk_reads(sdk, proxy) -> None:
     """Responses' keepalive is ``response.in_progress`` again, with the next sequence
     number, never an SSE comment (Codex's reader drops comments); the real SDK reads the
     raw events and builds the final response through them. Anthropic's pings are skipped
@@ -370,7 +370,7 @@ async def test_responses_keepalives_are_in_progress_events_the_sdk_reads(proxy) 
     assert not any(line.startswith(":") for line in r.text.splitlines())
     raw = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: ")]
     assert [d["sequence_number"] for d in raw] == list(range(1, len(raw) + 1))
-    oc = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0)
+    oc = sdk(openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0))
     stream = await oc.responses.create(model="m", input="write", tools=TOOLS_RS, stream=True)
     kinds, seqs, ids = [], [], set()
     async for ev in stream:
@@ -387,7 +387,7 @@ async def test_responses_keepalives_are_in_progress_events_the_sdk_reads(proxy) 
         final = await st.get_final_response()
     assert events.count("response.in_progress") >= 3
     assert json.loads(final.output[0].arguments) == {"content": ARGS} and final.status == "completed"
-    ac = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0)
+    ac = sdk(anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0))
     an = await ac.messages.create(model="m", max_tokens=500, tools=TOOLS_AN, stream=True,
                                   messages=[{"role": "user", "content": "write"}])
     an_kinds = [ev.type async for ev in an]

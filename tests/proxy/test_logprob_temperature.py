@@ -81,7 +81,7 @@ def sglang_checked(engine: ScriptedEngine, sent: list[dict]) -> FastAPI:
     return app
 
 
-async def test_anthropic_top_k_0_and_1_reach_an_sglang_cell_as_it_takes_them(proxy) -> None:
+async def test_anthropic_top_k_0_and_1_reach_an_sglang_cell_as_it_takes_them(sdk, proxy) -> None:
     sent: list[dict] = []
     served = Served(sglang_checked(proxy.engines["cell-a"], sent))
     try:
@@ -89,7 +89,7 @@ async def test_anthropic_top_k_0_and_1_reach_an_sglang_cell_as_it_takes_them(pro
             proxy.service.router.remove_cell(name)
         proxy.service.add_cell("sglang", served.url, capacity=4)
         base = await proxy.rollout("topk-1")
-        client = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0)
+        client = sdk(anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0))
         for label, extra in {"k0": {"temperature": 0.6, "top_k": 0}, "k1": {"temperature": 0.6, "top_k": 1}}.items():
             msg = await client.messages.create(model="m", max_tokens=8, system=f"Case {label}.",
                                                messages=[{"role": "user", "content": "hi"}], extra_body=extra)
@@ -117,12 +117,12 @@ def _packed(input_ids, output_ids, logprobs, temperature):
         logprob_temperatures=array("f", [1.0] * n_in + [temperature] * len(output_ids)))
 
 
-async def test_the_proxy_records_the_temperature_it_sent(proxy, real_engine, model_dir) -> None:
+async def test_the_proxy_records_the_temperature_it_sent(sdk, proxy, real_engine, model_dir) -> None:
     for name in list(proxy.service.router.cells):
         proxy.service.router.remove_cell(name)
     proxy.service.add_cell("real", real_engine.url, capacity=4)
     base = await proxy.rollout("temp-1")
-    client = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0)
+    client = sdk(anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0))
     asks = {"t0.7": {"temperature": 0.7}, "default": {}, "greedy": {"temperature": 0.0},
             "top_k1": {"temperature": 0.6, "top_k": 1}, "top_k0": {"temperature": 0.6, "top_k": 0}}
     for label, extra in asks.items():  # one conversation each (no reuse between them)

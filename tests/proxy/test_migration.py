@@ -32,13 +32,13 @@ async def reroutes(bus) -> list[SessionRerouted]:
     return [d.event async for d in bus.read(Context.CALLS) if isinstance(d.event, SessionRerouted)]
 
 
-async def test_sessions_move_with_their_kv_cache(proxy, two_engines) -> None:
+async def test_sessions_move_with_their_kv_cache(sdk, proxy, two_engines) -> None:
     for name in list(proxy.service.router.cells):
         proxy.service.router.remove_cell(name)
     proxy.service.add_cell("e0", two_engines[0].url)
     proxy.service.add_cell("e1", two_engines[1].url)
     base = await proxy.rollout("mig-1")
-    client = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0)
+    client = sdk(anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0))
     histories = []
     for i in range(4):  # four sessions mid-conversation, spread over both cells
         msgs = [{"role": "user", "content": f"session {i}: write a parser"}]

@@ -24,12 +24,12 @@ def real_engine(model_dir):
     service.close()
 
 
-async def test_conversation_on_the_real_engine(proxy, real_engine) -> None:
+async def test_conversation_on_the_real_engine(sdk, proxy, real_engine) -> None:
     for name in list(proxy.service.router.cells):
         proxy.service.router.remove_cell(name)
     proxy.service.add_cell("real", real_engine.url, capacity=4)
     base = await proxy.rollout("real-1")
-    client = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0)
+    client = sdk(anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0))
     messages = [{"role": "user", "content": "Write hello world in Python."}]
     async with client.messages.stream(model="claude-opus-4-8", max_tokens=24, messages=messages,
                                       system="You are a coder.", extra_body={"temperature": 0.0}) as s:

@@ -33,9 +33,9 @@ async def exact(proxy) -> dict:
     return recorded
 
 
-async def test_openai_chat_tool_round_trip_non_streaming(proxy) -> None:
+async def test_openai_chat_tool_round_trip_non_streaming(sdk, proxy) -> None:
     base = await proxy.rollout("oa-1")
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0)
+    client = sdk(openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0))
     script(proxy, CALL, "The file defines main().")
     messages = [{"role": "system", "content": "You are careful."}, {"role": "user", "content": "What is in a.py?"}]
     first = await client.chat.completions.create(model="gpt-5", messages=messages, tools=TOOLS_OA)
@@ -53,9 +53,9 @@ async def test_openai_chat_tool_round_trip_non_streaming(proxy) -> None:
     assert recorded[1].event.parent_call_id == recorded[0].event.call_id
 
 
-async def test_openai_chat_streaming_with_usage(proxy) -> None:
+async def test_openai_chat_streaming_with_usage(sdk, proxy) -> None:
     base = await proxy.rollout("oa-2")
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0)
+    client = sdk(openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0))
     script(proxy, "Streaming déjà vu 🙂 works.", CALL)
     stream = await client.chat.completions.create(
         model="gpt-5", messages=[{"role": "user", "content": "hi"}], stream=True,
@@ -77,9 +77,9 @@ async def test_openai_chat_streaming_with_usage(proxy) -> None:
     await exact(proxy)
 
 
-async def test_anthropic_messages_stream_and_tool_use(proxy) -> None:
+async def test_anthropic_messages_stream_and_tool_use(sdk, proxy) -> None:
     base = await proxy.rollout("an-1")
-    client = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0)
+    client = sdk(anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0))
     script(proxy, "Let me look." + CALL, "It defines main.")
     system = [{"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}}]
     messages = [{"role": "user", "content": [{"type": "text", "text": "What is in a.py?"}]}]
@@ -106,9 +106,9 @@ async def test_anthropic_messages_stream_and_tool_use(proxy) -> None:
     assert recorded[0].event.api == "anthropic_messages"
 
 
-async def test_openai_responses_function_call_round_trip(proxy) -> None:
+async def test_openai_responses_function_call_round_trip(sdk, proxy) -> None:
     base = await proxy.rollout("rs-1")
-    client = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0)
+    client = sdk(openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0))
     script(proxy, CALL, "Done reading.")
     tools = [{"type": "function", "name": "read_file", "description": "read a file",
               "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}]

@@ -111,15 +111,15 @@ async def test_openai_streams_start_at_once_with_their_keepalives(proxy) -> None
     assert {c.call_id for c in calls} == {chat_id, rs_id}
 
 
-async def test_the_sdks_read_through_the_keepalives(proxy) -> None:
+async def test_the_sdks_read_through_the_keepalives(sdk, proxy) -> None:
     slow_tool_call(proxy)
     base = await proxy.rollout("ka-sdk")
-    ac = anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0)
+    ac = sdk(anthropic.AsyncAnthropic(base_url=base, api_key="k-secret", max_retries=0))
     async with ac.messages.stream(model="m", max_tokens=500, tools=TOOLS_AN,
                                   messages=[{"role": "user", "content": "write"}]) as st:
         msg = await st.get_final_message()
     assert msg.stop_reason == "tool_use" and msg.content[0].input == {"content": ARGS}
-    oc = openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0)
+    oc = sdk(openai.AsyncOpenAI(base_url=base + "/v1", api_key="k-secret", max_retries=0))
     async with oc.chat.completions.stream(model="m", tools=TOOLS_OA,
                                           messages=[{"role": "user", "content": "write"}]) as st:
         done = await st.get_final_completion()
