@@ -149,7 +149,7 @@ class SamplingParams(BaseModel):
 
     @property
     def logprob_temperature(self) -> float:
-        """See :func:`logprob_temperature` (not 1.0 for a ``top_k`` 1 pick, as in SGLang)."""
+        """See :func:`logprob_temperature`: the request's own temperature, for a ``top_k`` 1 pick too."""
         return logprob_temperature(self.temperature)
 
 

@@ -109,9 +109,14 @@ def _pick(logits: torch.Tensor, specs: list[SampleSpec]) -> list[int]:
 
 def _draw(scaled: torch.Tensor, spec: SampleSpec) -> int:
     """Samples from softmax(scaled) cut by top-k, min-p and top-p (Gumbel-max: argmax of
-    logits plus Gumbel noise is an exact draw, and needs no normalised copy of the row)."""
+    logits plus Gumbel noise is an exact draw, and needs no normalised copy of the row).
+
+    The cuts are joint, as SGLang's samplers apply them: each keeps a most-likely prefix
+    measured on the whole distribution (top-p's mass is the full row's, not renormalised
+    over the top-k), and the draw is from what all three keep."""
     params = spec.params
     candidates, ids = scaled, None
+    row_lse = torch.logsumexp(scaled.double(), dim=0) if params.top_p < 1.0 else None
     if params.top_k > 0 and params.top_k < scaled.shape[0]:
         candidates, ids = torch.topk(scaled, params.top_k)
     if params.min_p > 0.0:
@@ -120,7 +125,7 @@ def _draw(scaled: torch.Tensor, spec: SampleSpec) -> int:
         ids = keep.nonzero()[:, 0] if ids is None else ids[keep]
         candidates = candidates[keep]
     if params.top_p < 1.0:
-        candidates, ids = _top_p(candidates, ids, params.top_p)
+        candidates, ids = _top_p(candidates, ids, params.top_p, row_lse)
     if not bool(torch.isfinite(candidates).any()):
         raise ValueError("no finite logits to sample from")
     seed = params.sampling_seed
@@ -169,18 +174,18 @@ def _seeded_gumbel(key: int, ids: torch.Tensor) -> np.ndarray:
     return -np.log(-np.log(uniform))
 
 
-def _top_p(candidates: torch.Tensor, ids: torch.Tensor | None, top_p: float):
-    """The smallest most-likely set holding ``top_p`` of the mass (grows a top-k window
-    before falling back to a full sort, which a flat distribution needs)."""
+def _top_p(candidates: torch.Tensor, ids: torch.Tensor | None, top_p: float, lse: torch.Tensor):
+    """The most likely candidates while the mass before each is at most ``top_p`` (SGLang's
+    rule), with the mass measured against ``lse``, the whole row's log-sum-exp; grows a top-k
+    window before falling back to a full sort, which a flat distribution needs."""
     # float64: a top_p below float32's smallest number must still keep the first candidate
-    lse = torch.logsumexp(candidates.double(), dim=0)
     n = candidates.shape[0]
     k = min(256, n)
     while True:
         values, order = torch.topk(candidates, k)
         probs = torch.exp(values.double() - lse)
         mass_before = torch.cumsum(probs, dim=0) - probs
-        keep = max(1, int((mass_before < top_p).sum()))  # the most likely candidate always stays
+        keep = max(1, int((mass_before <= top_p).sum()))  # the most likely candidate always stays
         if keep < k or k == n:
             chosen = order[:keep]
             return values[:keep], chosen if ids is None else ids[chosen]

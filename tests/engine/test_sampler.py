@@ -26,6 +26,10 @@ def test_picks_stay_inside_the_cuts_and_never_on_padding():
     assert set(_draws(temperature=1.0, top_k=2)) == {0, 1}
     assert set(_draws(temperature=1.0, top_p=0.7)) == {0, 1}  # 0.5 + 0.25 is the smallest set holding 0.7
     assert set(_draws(temperature=1.0, min_p=0.3)) == {0, 1}  # p >= 0.3 * 0.5
+    # joint cuts, as SGLang: top-p measures the whole row's mass (0.5 before id 1 <= 0.6), not
+    # the top-k's renormalised one (2/3 before id 1 > 0.6, which would keep id 0 alone)
+    assert set(_draws(temperature=1.0, top_k=2, top_p=0.6)) == {0, 1}
+    assert set(_draws(temperature=1.0, min_p=0.2, top_p=0.6)) == {0, 1}
     draws = _draws(2000, temperature=1.0)
     assert abs(draws[0] / 2000 - 0.5) < 0.05 and abs(draws[1] / 2000 - 0.25) < 0.05
 
