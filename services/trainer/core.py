@@ -33,7 +33,8 @@ Completeness watchdog: a micro-step of the current step that the work queue gave
 row) is computed here, as a dropped one is; so is one that no cell finished within
 ``requeue_after_s`` of the later of its step's weights being published, the core reading
 it, and its last ``MicroStepClaimed`` (a cell hung while it kept its claim alive, or a
-queue message lost otherwise). Nothing is applied twice: a micro-step is computed here
+queue message lost otherwise); and so is one claimed ``max_claims`` times without a result
+(each cell that took it died with it). Nothing is applied twice: a micro-step is computed here
 only while it is not among the step's used ones, and a cell's result that comes after is
 passed over as a duplicate. A computation that fails (the blob store down) is tried again
 later; the core does not stop for it (``watchdog.py``).
@@ -66,7 +67,7 @@ from .batch import tree_batch
 from .checkpoint import TrainerState, load_latest_checkpoint, save_checkpoint
 from .step import MicroResult, StepReducer, TrainConfig, compute_micro_step, make_optimizer
 from .transfer import GradientSink
-from .watchdog import CompletenessWatch
+from .watchdog import DEFAULT_MAX_CLAIMS, CompletenessWatch
 from .worker import load_samples, objective_key, result_from_done, work_queue_name
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class CoreSettings:
     keep_checkpoints: int | None = None  # newest checkpoints kept (None: all; replay of step N needs step N's)
     keep_weights: int | None = DEFAULT_KEEP_WEIGHTS  # newest published weight blobs kept (None: all; >= 2)
     requeue_after_s: float | None = DEFAULT_REQUEUE_AFTER_S  # the watchdog's wait (None or 0, default: dead letters only)
+    max_claims: int | None = DEFAULT_MAX_CLAIMS  # claims without a result before the core computes it (None/0: off)
     watch_every_s: float = 1.0  # how often the watchdog looks
     work_queue: str = "trainer-work"  # the workers' queue_name: whose dead letters the core reads
     resume_behind_log: bool = False  # operator's override: resume from a checkpoint behind the log
@@ -136,7 +138,7 @@ class CoreTrainer:
         # (version, weights digest) of each WeightsPublished whose blob is not deleted yet,
         # oldest first (insertion order), one entry per pair
         self._weight_blobs: dict[tuple[int, str], None] = {}
-        self.watch = CompletenessWatch(settings.requeue_after_s)  # which micro-steps no cell will finish
+        self.watch = CompletenessWatch(settings.requeue_after_s, max_claims=settings.max_claims)  # which micro-steps no cell will finish
 
     # -------------------------------------------------------------------- start / resume
     async def start(self) -> None:
@@ -159,7 +161,7 @@ class CoreTrainer:
         self._weight_blobs = await self._published_weight_blobs()
         await self._publish_pending()  # killed between its checkpoint and publishing it
         await self._publish_weights(cause=None)
-        self.watch = CompletenessWatch(self.settings.requeue_after_s)  # the step's weights are out
+        self.watch = CompletenessWatch(self.settings.requeue_after_s, max_claims=self.settings.max_claims)  # the step's weights are out
 
     async def _refuse_to_resume_behind_the_log(self, ckpt: Path | None, state: TrainerState) -> None:
         """Raises :class:`BehindTheLog` if the log has a ``StepApplied`` of ``state.step`` or
@@ -304,8 +306,13 @@ class CoreTrainer:
             return
         for key in self.watch.lost([(self.state.step, ms) for ms in plan.queued], self.reducer.used):
             ev = plan.queued[key[1]]
-            why = "dead-lettered by the work queue" if self.watch.is_dead(key) else \
-                f"not finished by any cell within {self.settings.requeue_after_s:.0f}s"
+            if self.watch.is_dead(key):
+                why = "dead-lettered by the work queue"
+            elif self.watch.too_often_claimed(key):
+                why = (f"claimed {self.watch.claims(key)} times without a result (the cells that took it "
+                       "stopped with it)")
+            else:
+                why = f"not finished by any cell within {self.settings.requeue_after_s:.0f}s"
             log.warning("core: %s of step %d was %s; computes it itself", ev.micro_step, ev.step, why)
             try:
                 await self._recompute(ev, count_rejected=True)

@@ -26,7 +26,9 @@ leave requests, ``gate.py``; the core applies updates in every role), ``requeue_
 (core: a micro-step of the current step that no cell finished within this many seconds of
 its weights being published, the core reading it or its last claim is computed by the
 core; default 0, off: only those the work queue dead-lettered, which the core always
-computes; a core computing them would train while its cell serves; ``core.py``), ``resume_behind_log`` (core, ``GYRE_TRAINER_RESUME_BEHIND_LOG=1``:
+computes; a core computing them would train while its cell serves; ``core.py``), ``max_claims``
+(core: a micro-step cells claimed this many times without a result, each cell that took it
+having died with it, is computed by the core; default 4, 0 off; ``watchdog.py``), ``resume_behind_log`` (core, ``GYRE_TRAINER_RESUME_BEHIND_LOG=1``:
 the operator's override to resume from a checkpoint older than the log's last
 ``StepApplied``, which the core otherwise refuses: it would train applied steps again and
 publish their versions a second time with other bytes). A malformed
@@ -76,7 +78,8 @@ ENV = {"role": "GYRE_TRAINER_ROLE", "cell": "GYRE_TRAINER_CELL", "backend": "GYR
        "publish_pause": "GYRE_TRAINER_PUBLISH_PAUSE", "follow_role": "GYRE_TRAINER_FOLLOW_ROLE",
        "keep_checkpoints": "GYRE_TRAINER_KEEP_CHECKPOINTS", "keep_weights": "GYRE_TRAINER_KEEP_WEIGHTS",
        "max_grad_norm": "GYRE_TRAINER_MAX_GRAD_NORM", "attention": "GYRE_TRAINER_ATTENTION",
-       "requeue_after_s": "GYRE_TRAINER_REQUEUE_AFTER_S", "resume_behind_log": "GYRE_TRAINER_RESUME_BEHIND_LOG"}
+       "requeue_after_s": "GYRE_TRAINER_REQUEUE_AFTER_S", "resume_behind_log": "GYRE_TRAINER_RESUME_BEHIND_LOG",
+       "max_claims": "GYRE_TRAINER_MAX_CLAIMS"}
 
 ATTENTION_MODES = ("auto", "dense", "flex", "blocks")  # attention.Mode
 
@@ -137,6 +140,17 @@ def requeue_after_s(options: dict[str, Any]) -> float | None:
     value = number_option(options, "requeue_after_s", default=DEFAULT_REQUEUE_AFTER_S or 0, minimum=0,
                           label="requeue_after_s (GYRE_TRAINER_REQUEUE_AFTER_S)",
                           must_be="a finite number of seconds >= 0 (0: only dead-lettered micro-steps)")
+    return value or None
+
+
+def max_claims(options: dict[str, Any]) -> int | None:
+    """The ``max_claims`` option: claims without a result before the core computes a
+    micro-step itself (None: off)."""
+    from .watchdog import DEFAULT_MAX_CLAIMS
+
+    value = number_option(options, "max_claims", default=DEFAULT_MAX_CLAIMS, minimum=0, integer=True,
+                          label="max_claims (GYRE_TRAINER_MAX_CLAIMS)",
+                          must_be="a whole number >= 0 (0: off)")
     return value or None
 
 
@@ -269,7 +283,7 @@ async def trainer_main(ctx: ServiceContext) -> None:
                             max_staleness=settings_w.max_staleness,
                             keep_checkpoints=_opt(options, "keep_checkpoints", int, None),
                             keep_weights=keep_weights(options), requeue_after_s=requeue_after_s(options),
-                            resume_behind_log=_flag(options, "resume_behind_log"))
+                            max_claims=max_claims(options), resume_behind_log=_flag(options, "resume_behind_log"))
     if settings.keep_checkpoints is not None and settings.keep_checkpoints < 1:
         raise ValueError(f"keep_checkpoints (GYRE_TRAINER_KEEP_CHECKPOINTS) must be at least 1, "
                          f"not {settings.keep_checkpoints}")

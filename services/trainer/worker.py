@@ -6,7 +6,10 @@ acked within ``ack_wait_s`` (the cell died) is delivered again to another. For s
 ``s`` a cell first makes sure it holds weight version ``s`` (from its
 :class:`WeightSource`); it then publishes ``MicroStepClaimed``, computes the gradient of
 the micro-step's weighted loss, puts it on the :class:`GradientSink` and publishes
-``MicroStepDone`` with the descriptor. The message is acked after that.
+``MicroStepDone`` with the descriptor. The message is acked after that. A cell publishes
+one claim per delivery it computes (a failed try retried in place does not claim again), so
+the core can tell a micro-step that every cell taking it died with (its watchdog's
+``max_claims``).
 
 A micro-step of a step the core has not reached yet (version ``s`` not published) is
 held at most ``future_hold_s`` and then put back (the handler raises :class:`NotYet`, the
@@ -169,6 +172,8 @@ class MicroStepWorker:
         self.version = -1
         self.done: list[str] = []
         self._stop: Any = None
+        self._seq: int | None = None  # the stream sequence of the delivery in hand
+        self._claimed_seq: int | None = None  # the delivery whose claim is published (its tries in place)
 
     async def run(self, stop: Any) -> None:
         self._stop = stop
@@ -177,6 +182,7 @@ class MicroStepWorker:
     async def handle(self, delivery: Delivery) -> None:
         ev = delivery.event
         if isinstance(ev, MicroStepQueued):
+            self._seq = delivery.seq
             await self.train(ev)
 
     async def sync_weights(self, step: int, hold_s: float | None = None) -> bool:
@@ -206,8 +212,10 @@ class MicroStepWorker:
         if not await self.sync_weights(ev.step, hold_s=self.future_hold_s()):
             return  # the step is applied already: a late redelivery
         s = self.settings
-        await self.bus.publish(MicroStepClaimed(**ev.caused(step=ev.step, micro_step=ev.micro_step, cell=s.cell,
-                                                             weight_version=self.version)))
+        if self._seq is None or self._seq != self._claimed_seq:  # a try in place of a claimed delivery: not again
+            await self.bus.publish(MicroStepClaimed(**ev.caused(step=ev.step, micro_step=ev.micro_step, cell=s.cell,
+                                                                 weight_version=self.version)))
+            self._claimed_seq = self._seq
         samples, rejected = await load_samples(self.blobs, ev, self.backend.vocab_size, self.version,
                                                s.max_staleness)
         result = None
@@ -217,6 +225,7 @@ class MicroStepWorker:
                                              micro_step=ev.micro_step, weight_version=self.version)
         await self.bus.publish(await self._done_event(ev, result, rejected))
         self.done.append(ev.micro_step)
+        self._claimed_seq = None
 
     async def _done_event(self, ev: MicroStepQueued, result: MicroResult | None,
                           rejected: list[dict[str, str]]) -> MicroStepDone:

@@ -260,3 +260,128 @@ def test_the_watch_waits_from_the_latest_of_opening_reading_and_claiming():
     assert off.lost([(0, "c")], used=()) == []
     off.dead_lettered(0, "c")
     assert off.lost([(0, "c")], used=()) == [(0, "c")]
+
+
+class _FlakyBlobs(_FailingBlobs):
+    """A cell's view of a blob store whose first ``n`` reads fail, then all succeed."""
+
+    def __init__(self, blobs, n: int) -> None:
+        super().__init__(blobs)
+        self.left = n
+
+    async def get(self, digest: str) -> bytes:
+        if self.left > 0:
+            self.left -= 1
+            raise ConnectionError("blob store unreachable")
+        return await self.blobs.get(digest)
+
+
+async def test_a_try_in_place_does_not_claim_again(js_bus, tmp_path):
+    """A cell whose first blob reads fail retries the micro-step in place: one delivery, one
+    MicroStepClaimed (so the core's claim count means deliveries that cells died with)."""
+    from libs.common.events import MicroStepClaimed
+    from services.trainer.worker import BusWeightSource, MicroStepWorker, WorkerSettings
+
+    blobs = MemoryBlobStore()
+    core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    _watchful(core, requeue_after_s=None)
+    sat = MicroStepWorker(WorkerSettings(RUN, "sat", CONFIG, retry_delay_s=0.05), TorchBackend.tiny(TINY),
+                          bus=js_bus, blobs=_FlakyBlobs(blobs, 3), gradients=BlobTransfer(blobs),
+                          weights=BusWeightSource(js_bus, blobs, RUN))
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(core.run(stop)), asyncio.create_task(sat.run(stop))]
+    await _queue(js_bus, blobs, 0, _steps()[0])
+    await _wait_version(core, 1, timeout=30)
+    stop.set()
+    await asyncio.gather(*tasks)
+    claims = await _events(js_bus, Context.TRAINING, MicroStepClaimed)
+    assert sorted(c.micro_step for c in claims) == ["s0-m0", "s0-m1"]
+    assert sorted(sat.done) == ["s0-m0", "s0-m1"]
+
+
+async def test_a_micro_step_claimed_max_claims_times_without_a_result_is_computed_by_the_core(js_bus, tmp_path):
+    """Each claim is one delivery a cell computed: claims without a result are cells that died
+    with the micro-step (one that kills every cell taking it, which the queue would hand out
+    for good). At max_claims the core computes it; below, it waits."""
+    from libs.common.events import MicroStepClaimed
+
+    core, blobs, steps = await _core_with_step_0_read(js_bus, tmp_path)
+    core.settings = replace(core.settings, max_claims=3)
+    core.watch.max_claims = 3
+    computed = []
+
+    async def counting(ev, **kw):
+        computed.append(ev.micro_step)
+
+    core._recompute = counting
+    queued = core.plans[0].queued["s0-m1"]
+    for cell in ("sat0", "sat1"):
+        await core.on_claimed(MicroStepClaimed(**queued.caused(step=0, micro_step="s0-m1", cell=cell,
+                                                               weight_version=0)))
+    await core._requeue_lost()
+    assert computed == []
+    await core.on_claimed(MicroStepClaimed(**queued.caused(step=0, micro_step="s0-m1", cell="sat2",
+                                                           weight_version=0)))
+    await core._requeue_lost()
+    assert computed == ["s0-m1"]
+
+
+def test_max_claims_is_an_option_with_a_clear_error():
+    from services.trainer.main import env_options, max_claims
+
+    assert max_claims({}) == 4 and CoreSettings(RUN).max_claims == 4
+    assert max_claims(env_options({}, {"GYRE_TRAINER_MAX_CLAIMS": "0"})) is None
+    assert max_claims(env_options({}, {"GYRE_TRAINER_MAX_CLAIMS": "7"})) == 7
+    for bad in ("-1", "two", "1.5"):
+        try:
+            max_claims({"max_claims": bad})
+        except ValueError as exc:
+            assert "GYRE_TRAINER_MAX_CLAIMS" in str(exc)
+        else:
+            raise AssertionError(bad)
+
+
+async def test_a_micro_step_that_kills_every_cell_taking_it_is_computed_by_the_core(js_bus, tmp_path, monkeypatch):
+    """Cells die (the process goes, no ack, no hand-back) while computing s0-m1, one after
+    another: the queue delivers it again after each ack wait, for good. The core counts the
+    claims and computes it at max_claims; the step is applied with both micro-steps."""
+    import services.trainer.worker as worker_module
+    from services.trainer.worker import BusWeightSource, MicroStepWorker, WorkerSettings
+
+    real = worker_module.compute_micro_step
+
+    class Died(BaseException):
+        """The cell's process died (not an Exception: nothing retries, acks or hands back)."""
+
+    def deadly(backend, batch, train, *, micro_step, weight_version):
+        if micro_step == "s0-m1":
+            raise Died("the cell's process died")
+        return real(backend, batch, train, micro_step=micro_step, weight_version=weight_version)
+
+    monkeypatch.setattr(worker_module, "compute_micro_step", deadly)
+    blobs = MemoryBlobStore()
+    core, _ = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    _watchful(core, requeue_after_s=None, max_claims=3)
+    core.watch.max_claims = 3
+    stop = asyncio.Event()
+    core_task = asyncio.create_task(core.run(stop))
+    await _queue(js_bus, blobs, 0, _steps()[0])
+    deaths = 0
+    for i in range(10):
+        if core.state.weight_version >= 1:
+            break
+        sat = MicroStepWorker(WorkerSettings(RUN, f"sat{i}", CONFIG, ack_wait_s=1.0, retry_delay_s=0.05),
+                              TorchBackend.tiny(TINY), bus=js_bus, blobs=blobs, gradients=BlobTransfer(blobs),
+                              weights=BusWeightSource(js_bus, blobs, RUN))
+        task = asyncio.create_task(sat.run(stop))
+        done, _ = await asyncio.wait({task}, timeout=8)
+        if task in done and isinstance(task.exception(), Died):
+            deaths += 1
+        else:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    await _wait_version(core, 1, timeout=30)
+    stop.set()
+    await core_task
+    applied = (await _events(js_bus, Context.TRAINING, StepApplied))[0]
+    assert deaths == 3 and sorted(applied.micro_steps_used) == ["s0-m0", "s0-m1"]
