@@ -9,7 +9,10 @@ sub-agent, one side conversation), which the harness rules tell apart:
 - ``claude_code``: the ``x-claude-code-agent-id`` header (hint ``agent_id``) names a
   sub-agent; calls without it are the main agent's; a call under the main agent whose
   system prompt *and* tools both differ from the main line's is a side request (title
-  generation). Compaction requests can be recognised by token markers (the tokenised
+  generation). The main line's system prompt and tools are not simply the first unnamed
+  call's (interactive Claude Code sends a tool-less title request first): of the unnamed
+  calls' digest pairs it is one with tools, then the one most unnamed calls keep, then
+  the first seen. Compaction requests can be recognised by token markers (the tokenised
   compaction instruction) when the adapter supplies them, else in hindsight.
 - ``openai_tools``: a generic tool-calling agent: lines are told apart by agent id, else by
   system-prompt digest; the first line seen is the main agent.
@@ -153,8 +156,9 @@ def classify_calls(tree: TrajectoryTree, rules: HarnessRules) -> list[CallLabel]
     prev_of: list[int | None] = []
     relation: list[tuple[Relation, int]] = []  # (relation to previous call of line, shared)
     by_drift: set[int] = set()
+    main_seed = _main_seed(tree.calls, rules)
     for c, call in enumerate(tree.calls):
-        line = _line_for(call, rules, lines)
+        line = _line_for(call, rules, lines, main_seed)
         prev, rel = _previous(tree, c, line)
         if rel[0] == "rewrite":
             parent = _continued_parent(tree, c, line, line_of)
@@ -174,20 +178,67 @@ def classify_calls(tree: TrajectoryTree, rules: HarnessRules) -> list[CallLabel]
     ]
 
 
-def _line_for(call: CallRecord, rules: HarnessRules, lines: dict[str, _Line]) -> _Line:
+def _line_key(call: CallRecord, rules: HarnessRules) -> str:
     hints = call.hints
     key = next((getattr(hints, f) for f in rules.lineage_hints if getattr(hints, f)), None)
     if hints.kind == "side":
-        key = f"side:{hints.system_digest or call.call_id}"
-    elif key is None:
-        key = "main"
+        return f"side:{hints.system_digest or call.call_id}"
+    return "main" if key is None else key
+
+
+Digests = tuple[str, str | None]  # (system digest, tools digest)
+
+
+def _main_seed(calls: Sequence[CallRecord], rules: HarnessRules) -> Digests | None:
+    """The system and tools digests of the main line, when side requests are told apart by
+    them (``side_when_system_and_tools_change``), chosen over all the unnamed calls rather
+    than taken from the first one: interactive Claude Code sends a title request (its own
+    system prompt, no tools) before the first main request. Of the digest pairs the
+    unnamed calls carry, the main line's is the one with tools, then the one the most
+    unnamed calls are not side requests of, then the first to arrive. Depends only on the
+    calls and their order, so a replay gives the same pair. None: the first call decides."""
+    if rules.main_line != "unnamed" or not rules.side_when_system_and_tools_change:
+        return None
+    unnamed = [c.hints for c in calls if _line_key(c, rules) == "main"]
+    pairs: dict[Digests, int] = {}  # pair -> first arrival
+    n_sys: dict[str, int] = {}
+    n_tools: dict[str | None, int] = {}  # calls with a system digest, by tools digest
+    n_pair: dict[Digests, int] = {}
+    no_sys = 0
+    for h in unnamed:
+        if h.system_digest is None:
+            no_sys += 1  # never a side request (_is_side)
+            continue
+        pair = (h.system_digest, h.tools_digest)
+        pairs.setdefault(pair, len(pairs))
+        n_sys[h.system_digest] = n_sys.get(h.system_digest, 0) + 1
+        n_tools[h.tools_digest] = n_tools.get(h.tools_digest, 0) + 1
+        n_pair[pair] = n_pair.get(pair, 0) + 1
+    if not pairs:
+        return None
+
+    def rank(pair: Digests) -> tuple[bool, int, int]:
+        # unnamed calls that are not side requests of `pair`: same system or same tools
+        kept = no_sys + n_sys[pair[0]] + n_tools[pair[1]] - n_pair[pair]
+        return pair[1] is not None, kept, -pairs[pair]
+
+    return max(pairs, key=rank)
+
+
+def _line_for(call: CallRecord, rules: HarnessRules, lines: dict[str, _Line],
+              main_seed: Digests | None = None) -> _Line:
+    hints = call.hints
+    key = _line_key(call, rules)
     main_key = "main" if rules.main_line == "unnamed" else next(
         (k for k, ln in lines.items() if ln.role == "main"), key
     )
     line = lines.get(key)
-    if line is not None and rules.side_when_system_and_tools_change and _is_side(line, call):
-        key = f"side:{hints.system_digest}:{hints.tools_digest}"
-        line = lines.get(key)
+    if rules.side_when_system_and_tools_change:
+        ref = ((line.system_digest, line.tools_digest) if line is not None
+               else main_seed if key == "main" else None)
+        if ref is not None and _is_side(ref, call):
+            key = f"side:{hints.system_digest}:{hints.tools_digest}"
+            line = lines.get(key)
     if line is None:
         explicit = hints.role if hints.role in ROLES else None
         if explicit is not None:
@@ -196,16 +247,20 @@ def _line_for(call: CallRecord, rules: HarnessRules, lines: dict[str, _Line]) ->
             role = "main"
         else:
             role = "subagent"
-        line = _Line(key, role, [], hints.system_digest, hints.tools_digest)
+        system, tools = main_seed if key == "main" and main_seed is not None else (
+            hints.system_digest, hints.tools_digest)
+        line = _Line(key, role, [], system, tools)
         lines[key] = line
     return line
 
 
-def _is_side(line: _Line, call: CallRecord) -> bool:
+def _is_side(ref: tuple[str | None, str | None], call: CallRecord) -> bool:
+    """Whether ``call`` is a side request of a line with the digests ``ref``: its system
+    prompt and its tools both differ (tools absent counts as differing from tools)."""
     h = call.hints
-    if line.system_digest is None or h.system_digest is None:
+    if ref[0] is None or h.system_digest is None:
         return False
-    return h.system_digest != line.system_digest and h.tools_digest != line.tools_digest
+    return h.system_digest != ref[0] and h.tools_digest != ref[1]
 
 
 _RECENT_ENDS = 8  # how many open ends of a line a call may continue

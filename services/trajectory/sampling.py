@@ -65,8 +65,10 @@ def list_branches(tree: TrajectoryTree, labels: list[CallLabel], *, delivered_on
     A call another call extends is no end. With ``delivered_only`` (the sampling does not
     train undelivered calls), a delivered call that only undelivered calls extend (the call
     cut off at the time limit, recorded undelivered, or a failed one) is an end again
-    unless a delivered call holds its whole sequence (the retry after a failed call), so a
-    timed-out rollout's last delivered work is still trained on."""
+    unless a longer delivered call of its own line holds its whole sequence (the retry
+    after a failed call), so a timed-out rollout's last delivered work is still trained
+    on. An identical delivered copy does not hold it, nor does another line's call (a
+    fork sub-agent's first call carries the main agent's whole history)."""
     extended = {lab.previous for lab in labels if lab.relation == "extend"}
     if delivered_only:
         by_delivered = {lab.previous for c, lab in enumerate(labels)
@@ -74,7 +76,13 @@ def list_branches(tree: TrajectoryTree, labels: list[CallLabel], *, delivered_on
         delivered = [c for c, call in enumerate(tree.calls) if call.delivered]
         for p in sorted(x for x in extended - by_delivered if x is not None and tree.calls[x].delivered):
             length = tree.call_length(p)
-            held = any(d != p and n >= length for d, n in zip(delivered, tree.common_prefix_lens(p, delivered)))
+            # only a longer delivered call of p's own line holds it: an identical re-send
+            # holds nothing (one of the two still ends the branch, the tree keeps one end
+            # per position), and a fork sub-agent's first call, which carries the main
+            # agent's whole history, is another line's work
+            held = any(d != p and n >= length and tree.call_length(d) > length
+                       and labels[d].lineage == labels[p].lineage
+                       for d, n in zip(delivered, tree.common_prefix_lens(p, delivered)))
             if not held:
                 extended.discard(p)
     out, seen = [], set()

@@ -25,6 +25,7 @@ per branching node above the reference point).
 from __future__ import annotations
 
 import hashlib
+import math
 from array import array
 from bisect import bisect_right, insort
 from collections.abc import Iterator
@@ -33,10 +34,15 @@ from dataclasses import dataclass
 from .records import CallRecord
 
 ROOT = 0
+# A behaviour logprob above this is not a log-probability (the trainer's validate_sample
+# uses the same bound; a little above 0 is float rounding of a near-certain token).
+LOGPROB_TOLERANCE = 1e-4
 
 
 class TreeError(ValueError):
-    """A call that cannot be placed in the tree (its reference is unknown or too long)."""
+    """A call that cannot be placed in the tree (its reference is unknown or too long) or
+    must not be (a behaviour logprob that is not a finite log-probability, no input
+    tokens): the whole call is rejected with the reason."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,13 @@ class TrajectoryTree:
                             f"{len(call.output_ids)} output tokens")
         if not 0.0 < call.logprob_temperature < float("inf"):
             raise TreeError(f"call {call.call_id}: logprob temperature {call.logprob_temperature} is not > 0")
+        for j, lp in enumerate(call.output_logprobs):
+            # the trainer's test (services/trainer/batch.py validate_sample): one bad value
+            # there rejects the execution's whole packed sample, here only this call
+            if not (math.isfinite(lp) and lp <= LOGPROB_TOLERANCE):
+                raise TreeError(f"call {call.call_id}: output logprob {j} = {lp} is not a log-probability")
+        if call.n_input_tokens == 0:
+            raise TreeError(f"call {call.call_id}: no input tokens (nothing to predict its output from)")
         c = len(self.calls)
         tail = array("i", call.new_input_ids)
         out_from = len(tail)

@@ -81,6 +81,8 @@ def random_calls(seed: int, n_calls: int = 30, vocab: int = 6, rollout: str = "r
         new_input = [rng.randint(1, vocab) for _ in range(rng.randint(0, 4))]
         if parent and rng.random() < 0.2:
             new_input = base[prefix : prefix + rng.randint(0, 3)]  # re-sends existing tokens
+        if not prefix and not new_input:
+            new_input = [1]  # a call has input (the tree rejects one without); no draw: seeds keep their trees
         output = [20 + rng.randint(0, vocab) for _ in range(rng.randint(1, 5))]
         agent = rng.choice([None, None, "a1", "a2"])
         hints = CallHints(agent_id=agent, system_digest=("s" if agent is None else "u") * 64,

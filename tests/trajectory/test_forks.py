@@ -137,6 +137,45 @@ def test_side_request_does_not_break_the_main_line():
     assert lab[nxt.call_id].relation == "extend" and lab[nxt.call_id].fork is None
 
 
+def test_a_title_request_before_the_first_main_call_does_not_become_the_main_line():
+    """Interactive Claude Code sends its title request (own system prompt, no tools: the
+    proxy records no tools digest) before the first main request: it is the side line, the
+    real main calls are the main line, and the same calls in the same order label alike."""
+    from services.trajectory.sampling import list_branches, select_branches
+
+    p = SYSTEM + TASK
+    # the proxy's tool-less request (no tools digest), with a title after each prompt; a
+    # side request with a tools digest of its own is told apart by the main calls' number
+    for tools, n_titles in ((None, 2), ("0" * 64, 1)):
+        title = CallHints(system_digest="t" * 64, tools_digest=tools)
+        calls = [call("title", [1, 15, 15, 2, 1, 11, 2], [60, 2], hints=title),
+                 call("m0", p, [20, 2]),
+                 call("m1", [3, 90], [21, 2], parent="m0", prefix=len(p) + 2),
+                 call("title2", [1, 15, 15, 2, 1, 12, 2], [61, 2], hints=title)][:3 + n_titles - 1]
+        tree = build(calls)
+        labels = classify_calls(tree, CLAUDE)
+        assert labels == classify_calls(build(calls), CLAUDE)  # a replay labels alike
+        lab = {x.call_id: x for x in labels}
+        assert lab["m0"].lineage == lab["m1"].lineage == "main"
+        assert lab["m0"].role == lab["m1"].role == "main"
+        assert lab["m1"].relation == "extend" and lab["m1"].fork is None
+        assert lab["title"].lineage.startswith("side:") and lab["title"].role == "subagent"
+        if n_titles == 2:
+            assert lab["title2"].lineage == lab["title"].lineage
+        chosen = select_branches(list_branches(tree, labels, delivered_only=True))
+        assert (chosen[0].call_id, chosen[0].role) == ("m1", "main")
+
+
+def test_a_main_agent_without_tools_is_still_the_main_line():
+    """Where no unnamed call has tools, the calls most of them agree with are the main line."""
+    bare = CallHints(system_digest="5" * 64)
+    p = SYSTEM + TASK
+    calls = [call("m0", p, [20, 2], hints=bare),
+             call("m1", [3, 90], [21, 2], parent="m0", prefix=len(p) + 2, hints=bare)]
+    lab = {x.call_id: x for x in classify_calls(build(calls), CLAUDE)}
+    assert lab["m0"].role == lab["m1"].role == "main" and lab["m1"].relation == "extend"
+
+
 def test_explicit_gyre_role_wins():
     rec = Recorder()
     main = Agent(rec, SYSTEM + TASK)

@@ -176,3 +176,60 @@ def test_a_call_cut_off_at_the_time_limit_leaves_the_last_delivered_call_trained
     both = sealed(True, retry=True)
     assert [b.delivered for b in both.branches].count(True) == 1  # the failed call's parent is covered by the retry
     assert sum(p.n_trained_tokens for p in both.packed) == sum(p.n_trained_tokens for p in clean.packed)
+
+
+def _sealed(calls, rules=RULES):
+    from services.trajectory.rollout_tree import RolloutTree, TreeConfig
+
+    tree = RolloutTree("r1", TreeConfig(rules))
+    for c in calls:
+        assert tree.add(c).outcome == "applied"
+    return tree.seal()
+
+
+def test_a_fork_sub_agent_does_not_hide_the_main_lines_last_delivered_call_after_a_timeout():
+    """A fork sub-agent's first call carries the main agent's whole history: it is another
+    line's call, so it does not hold the main line's last delivered call when the next main
+    call is cut off at the time limit; that call stays the main line and is trained."""
+
+    def sealed(cut: bool):
+        rec = Recorder("r1")
+        main = Agent(rec, SYSTEM + TASK)
+        main.say([20, 2], [3, 90])
+        main.say([21, 2], [3, 91])
+        for n in range(3):  # forks of epoch 1
+            f = main.fork(CallHints(agent_id=f"e1fork{n}", system_digest="5" * 64, tools_digest="7" * 64),
+                          [1, 60 + n, 2])
+            f.say([30 + n, 2])
+        main.compact([40, 2])
+        main.say([22, 2], [3, 92])
+        last = main.say([23, 2], [3, 93])  # the last delivered main call
+        f = main.fork(CallHints(agent_id="e2fork", system_digest="5" * 64, tools_digest="7" * 64), [1, 69, 2])
+        f.say([35, 2])  # forked from the main agent's whole history
+        if cut:
+            main.say([24, 25], delivered=False)  # cut off at the time limit
+        return last, _sealed(rec.calls)
+
+    last, clean = sealed(False)
+    _, cut = sealed(True)
+    assert clean.selected[0].call_id == cut.selected[0].call_id == last.call_id
+    assert cut.selected[0].role == "main"
+    assert [b.call_id for b in cut.selected] == [b.call_id for b in clean.selected]
+    assert sum(p.n_trained_tokens for p in cut.packed) == sum(p.n_trained_tokens for p in clean.packed)
+
+
+def test_an_identical_resend_before_a_cut_off_call_ends_the_branch_once():
+    """Two identical delivered calls (a re-send answered alike) do not hold each other: when
+    the next call is cut off, one of them ends the branch, once, and is trained."""
+    from ._calls import call
+
+    p = SYSTEM + TASK
+    calls = [call("c0", p, [20, 2]),
+             call("c1", [3, 90], [21, 2], parent="c0", prefix=len(p) + 2),
+             call("c2", [3, 90], [21, 2], parent="c0", prefix=len(p) + 2)]  # identical re-send
+    cut_off = call("c3", [3, 91], [22, 23], parent="c2", prefix=len(p) + 6, delivered=False)
+    clean, cut = _sealed(calls), _sealed(calls + [cut_off])
+    delivered = [b for b in cut.branches if b.delivered]
+    assert len(delivered) == 1 and delivered[0].call_id in ("c1", "c2")
+    assert [b.call_id for b in cut.selected] == [b.call_id for b in clean.selected] == [delivered[0].call_id]
+    assert sum(p.n_trained_tokens for p in cut.packed) == sum(p.n_trained_tokens for p in clean.packed) > 0

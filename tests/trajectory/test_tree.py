@@ -119,6 +119,13 @@ def _shuffled_topological(calls, rng):
     (call("x", [1], [20], prefix=2), "without a parent"),
     (call("x", [1], [20, 21], logprobs=[-0.1]), "logprobs"),
     (call("a", [1], [20]), "already"),
+    # what the trainer's validate_sample calls "not a log-probability" (> 1e-4)
+    (call("x", [1], [20, 21], logprobs=[-0.1, float("nan")]), "not a log-probability"),
+    (call("x", [1], [20, 21], logprobs=[float("-inf"), -0.1]), "not a log-probability"),
+    (call("x", [1], [20], logprobs=[float("inf")]), "not a log-probability"),
+    (call("x", [1], [20], logprobs=[0.01]), "not a log-probability"),
+    (call("x", [], [20]), "no input tokens"),
+    (call("x", [], [20], parent="a", prefix=0), "no input tokens"),
 ])
 def test_bad_calls_are_refused_and_leave_the_tree_untouched(bad, reason):
     tree = build([call("a", [1, 2, 5], [20, 21])])
@@ -148,3 +155,31 @@ def test_building_costs_new_tokens_not_context():
     assert sum(compared) == 0  # nothing re-matched: the reference points past the context
     assert tree.n_nodes == 1  # one growing main line
     assert list(tree.sequence(300))[-3:] == [3, 90 + 300 % 9, 20 + 300 % 40]
+
+
+def test_a_logprob_just_above_zero_is_float_rounding_and_kept():
+    tree = build([call("a", [1, 2, 5], [20, 21], logprobs=[0.0, 5e-5])])
+    assert len(tree.calls) == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf"), 0.5])
+def test_a_bad_logprob_rejects_the_call_not_the_executions_sample(bad):
+    """The trainer rejects a whole packed sample with one bad behaviour logprob: the
+    rollout tree rejects that call (with the reason) and the rest packs into a sample the
+    trainer accepts."""
+    from services.trainer.batch import validate_sample
+    from services.trajectory.rollout_tree import RolloutTree, TreeConfig
+
+    from ._calls import SYSTEM, TASK
+
+    p = SYSTEM + TASK
+    tree = RolloutTree("r1", TreeConfig())
+    assert tree.add(call("c0", p, [20, 21, 22, 2])).outcome == "applied"
+    out = tree.add(call("c1", [3, 90], [23, 24, 2], parent="c0", prefix=len(p) + 4,
+                        logprobs=[-0.1, bad, -0.2]))
+    assert out.outcome == "rejected" and "not a log-probability" in out.reason
+    sealed = tree.seal()
+    assert [r.call_id for r in sealed.rejected] == ["c1"]
+    (packed,) = sealed.packed
+    assert packed.n_trained_tokens > 0
+    validate_sample(packed, advantage=1.0, vocab_size=512)
