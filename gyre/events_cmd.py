@@ -136,7 +136,7 @@ async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) 
         if scratch is not None:
             shutil.rmtree(scratch, ignore_errors=True)
     return {"database": None if scratch is not None else url, "applied": applied,
-            "dead_lettered": runner.dead_lettered, "digest": digest["*"],
+            "duplicates": runner.duplicates, "dead_lettered": runner.dead_lettered, "digest": digest["*"],
             "tables": {k: v for k, v in digest.items() if k != "*"}}
 
 
@@ -234,6 +234,14 @@ def _tree_facts(ev: Any) -> tuple:
     return (ev.TYPE, ev.event_id)
 
 
+def _distinct(events: list[Any]) -> list[Any]:
+    """Each event once, by event id, in the order of its first stored copy."""
+    first: dict[str, Any] = {}
+    for ev in events:
+        first.setdefault(ev.event_id, ev)
+    return list(first.values())
+
+
 async def replay_trees(nats_url: str, run_id: str, blob_bucket: str = "gyre-blobs") -> dict[str, Any]:
     """Rebuild a run's trees, samples and micro-steps from its rollouts, calls and scores
     (a fresh trajectory service on an in-memory copy of those streams, told only which
@@ -253,7 +261,10 @@ async def replay_trees(nats_url: str, run_id: str, blob_bucket: str = "gyre-blob
             async for msg in bus.read_raw(ctx.stream, filter_subject=f"gyre.{run_id}.{ctx.value}.>"):
                 meta = msg.metadata
                 copy.load(ctx.stream, meta.sequence.stream, msg.subject, msg.data, meta.timestamp)
-        live_trees = [d.event async for d in bus.read(Context.TREES, filter_subject=f"gyre.{run_id}.trees.>")]
+        # a batch the live service re-published after a lost ack, past the bus's duplicate
+        # window, is stored twice: compare distinct events (by id, first copy's order)
+        live_trees = _distinct([d.event async for d in bus.read(Context.TREES,
+                                                                  filter_subject=f"gyre.{run_id}.trees.>")])
         recorded = [_tree_facts(ev) for ev in live_trees]
         config = ledger_config(run_id, await run_options(bus, run_id))  # as the live service was configured
         service = TrajectoryService(config, bus=copy, blobs=_ReadThrough(live_blobs))
@@ -262,7 +273,7 @@ async def replay_trees(nats_url: str, run_id: str, blob_bucket: str = "gyre-blob
         await service.load_seal_boundaries({ev.rollout_id: ev.tree_digest for ev in live_trees
                                             if isinstance(ev, TreeSealed)}, live_blobs)
         await service.rebuild()
-        replayed = [_tree_facts(d.event) async for d in copy.read(Context.TREES)]
+        replayed = [_tree_facts(ev) for ev in _distinct([d.event async for d in copy.read(Context.TREES)])]
     finally:
         await bus.close()
     return {"recorded": len(recorded), "replayed": len(replayed),

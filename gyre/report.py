@@ -3,6 +3,9 @@
 Plots: reward per step (mean and spread), cell roles over time under the water level,
 tree statistics (stored vs selected tokens per rollout), fork types, and the score
 distribution of finished vs timed-out (partially scored) rollouts.
+
+An event stored twice (a publisher's retry after a lost ack, past the bus's duplicate
+window: same event id) counts once: ``RunFacts.add`` ignores an event id it has seen.
 """
 
 from __future__ import annotations
@@ -47,10 +50,15 @@ class RunFacts:
     steps_applied: list[dict[str, Any]] = field(default_factory=list)
     micro_steps_by_cell: Counter = field(default_factory=Counter)  # MicroStepDone per cell (core and satellites)
     sample_tokens: dict[str, int] = field(default_factory=dict)  # packed sample digest -> its tokens
-    queued: list[tuple[int, list[str]]] = field(default_factory=list)  # MicroStepQueued: (laid-out tokens, samples)
+    # MicroStepQueued by (step, micro_step): (laid-out tokens, samples)
+    queued: dict[tuple[int, str], tuple[int, list[str]]] = field(default_factory=dict)
     t0: float | None = None
+    seen: set[str] = field(default_factory=set, repr=False)  # event ids added: a second stored copy is skipped
 
     def add(self, ev: Event) -> None:
+        if ev.event_id in self.seen:
+            return  # a second stored copy of an event already counted
+        self.seen.add(ev.event_id)
         t = ev.time.timestamp()
         self.t0 = t if self.t0 is None else min(self.t0, t)
         if isinstance(ev, RolloutStarted):
@@ -89,7 +97,7 @@ class RunFacts:
             self.selected_tokens[ev.rollout_id] = sum(s.n_tokens for s in ev.samples)
             self.sample_tokens.update((s.digest, s.n_tokens) for s in ev.samples)
         elif isinstance(ev, MicroStepQueued):
-            self.queued.append((ev.n_tokens, list(ev.sample_digests)))
+            self.queued.setdefault((ev.step, ev.micro_step), (ev.n_tokens, list(ev.sample_digests)))
         elif isinstance(ev, CallRecorded):
             self.flattened_tokens[ev.rollout_id] += ev.prefix_len + ev.n_new_input_tokens + ev.n_output_tokens
             self.calls += 1
@@ -165,7 +173,7 @@ def _plots(facts: RunFacts, out: Path) -> list[tuple[str, str]]:
         flat = sum(facts.flattened_tokens.get(r, 0) for r in ids)
         stored = sum(facts.stored_tokens.values())
         selected = sum(facts.selected_tokens.get(r, 0) for r in ids)
-        laid_out = sum(n for n, _ in facts.queued)
+        laid_out = sum(n for n, _ in facts.queued.values())
         ax.bar(range(4), [flat, stored, selected, laid_out], color=["C0", "C1", "C2", "C4"])
         ax.set_xticks(range(4), ["flattened\n(every call's in + out)", "stored\n(trees)", "selected\nbranches",
                                  "trained\n(micro-steps)"], fontsize=7)
@@ -207,8 +215,8 @@ def figures(facts: RunFacts) -> dict[str, Any]:
         "flattened_tokens": sum(facts.flattened_tokens[r] for r in facts.stored_tokens),
         "stored_tokens": sum(facts.stored_tokens.values()), "selected_tokens": sum(facts.selected_tokens.values()),
         # what the trainer lays out (a micro-step's shared prompt once) against its samples' own tokens
-        "micro_step_tokens": sum(n for n, _ in facts.queued),
-        "micro_step_sample_tokens": sum(facts.sample_tokens.get(d, 0) for _, ds in facts.queued for d in ds),
+        "micro_step_tokens": sum(n for n, _ in facts.queued.values()),
+        "micro_step_sample_tokens": sum(facts.sample_tokens.get(d, 0) for _, ds in facts.queued.values() for d in ds),
         "steps_applied": facts.steps_applied, "micro_steps_by_cell": dict(sorted(facts.micro_steps_by_cell.items())),
         "warm_start": facts.warm_start,
         "heldout": facts.evals, "eval_rollouts": len(facts.eval_rollouts),

@@ -3,6 +3,9 @@
 ``evaluate`` is the orchestration for one rollout and never raises for bad input: every
 ended rollout yields exactly one ``RolloutScored`` or ``RolloutScoringFailed``, whose
 event id is derived from the ended event's, so a redelivery is de-duplicated by the bus.
+An end stored twice (a retry past the bus's de-duplication window) may be scored by two
+replicas at once: the outcome is published expecting no message on its subject yet, so
+only the first is stored and the later one is dropped (a conflict counts as done).
 ``run`` starts ``workers`` consumers on one durable consumer (a JetStream work queue);
 a local claim set keeps two of them from scoring the same rollout when a bus (the
 in-memory one) hands every event to each.
@@ -22,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from libs.common.bus.port import BlobStore, ConsumerConfig, Delivery, EventBus, StopSignal
+from libs.common.bus.port import BlobStore, ConcurrencyConflict, ConsumerConfig, Delivery, EventBus, StopSignal
 from libs.common.events import (
     Context,
     RolloutFinished,
@@ -447,7 +450,20 @@ class Evaluator:
             if await self._already_scored(event):
                 return
             outcome = await self.evaluate(event, may_retry=delivery.num_delivered < self.consumer_config().max_deliver)
-            await self.bus.publish(outcome)  # ack (by returning) only once it is stored
+            # another replica may have scored a second stored copy of this end meanwhile
+            if await self._already_scored(event):
+                return
+            try:
+                # only the first outcome on the rollout's subject is stored: a copy of the
+                # end stored twice (a retry past the bus's de-duplication window) scored by
+                # another replica at the same time loses here, not in the log
+                await self.bus.publish(outcome, expect_last_subject_seq=0)  # ack (by returning) once stored
+            except ConcurrencyConflict:
+                # an outcome is already stored: another replica's, or ours whose ack was lost
+                log.info("evaluator: rollout %s already has an outcome stored; this one (%s) dropped",
+                         event.rollout_id, outcome.TYPE)
+                self._tasks.pop(event.rollout_id, None)
+                return
         except BaseException:
             self._claimed.pop(event.event_id, None)  # let the redelivery score it
             raise
@@ -456,7 +472,10 @@ class Evaluator:
 
     async def _already_scored(self, ended: RolloutEnded) -> bool:
         """An outcome already in the log (a redelivery after a crash, or after the ack wait
-        ran out once the bus's de-duplication window had passed): don't score it twice."""
+        ran out once the bus's de-duplication window had passed, or a second stored copy of
+        the end taken by another replica): don't score it twice. Checked before scoring and
+        again just before publishing; the publish itself expects an empty subject, so of two
+        outcomes of one kind only the first is stored."""
         token = subject_token(ended.rollout_id)
         for kind in (RolloutScored, RolloutScoringFailed):
             subject = f"gyre.{ended.run_id}.{Context.SCORES.value}.{kind.TYPE}.{token}"

@@ -88,11 +88,11 @@ class FlakyPublishBus:
     def __getattr__(self, name):
         return getattr(self.inner, name)
 
-    async def publish(self, event):
+    async def publish(self, event, **kw):
         if event.CONTEXT is Context.SCORES and not self.failed:
             self.failed = True
             raise ConnectionError("broker unavailable")
-        return await self.inner.publish(event)
+        return await self.inner.publish(event, **kw)
 
 
 async def test_a_failed_publish_is_retried_not_lost(make_harness, work_root):

@@ -192,3 +192,43 @@ def test_only_connection_and_server_errors_count_as_an_unavailable_database() ->
     assert not database_unavailable(op(PgError("54000")))  # this statement's program limit
     assert not database_unavailable(IntegrityError("INSERT", {}, PgError("23505")))
     assert not database_unavailable(ValueError("a handler's bug"))
+
+
+async def _store_again(bus, event, msg_id: str) -> None:
+    """A second stored copy of ``event`` (same id, same bytes), as a publisher's retry past
+    the bus's de-duplication window leaves it: here under another message id."""
+    if isinstance(bus, InMemoryBus):
+        bus.append(event.CONTEXT.stream, event.subject, event.to_json(), msg_id, event.time)
+    else:
+        await bus.publish_raw(event.subject, event.to_json(), {"Nats-Msg-Id": msg_id, "Gyre-Type": event.TYPE})
+
+
+async def test_a_twice_stored_event_is_applied_once_not_dead_lettered(engine, bus) -> None:
+    started = RolloutStarted(run_id=RUN, rollout_id="ro-d", task_id="t", group_id="g", harness="gyre",
+                             weight_version=0, api_key_digest=D)
+    await bus.publish(RunStarted(run_id=RUN))
+    await bus.publish(started)
+    await _store_again(bus, started, "retry-in-batch")  # a first copy earlier in the same batch
+    runner = ProjectionRunner(engine, bus, readmodels, retry_delay_s=0.01)
+    assert await runner.catch_up() == 2
+    await _store_again(bus, started, "retry-next-batch")  # a first copy in an earlier batch
+    assert await runner.catch_up() == 0
+    assert (runner.dead_lettered, runner.duplicates) == (0, 2)
+    with Session(engine) as s:
+        assert s.get(EventCount, (RUN, "RolloutStarted")).count == 1
+    assert count(engine, EventRow) == 2
+    assert offsets(engine, "readmodels")[Context.ROLLOUTS.stream] == await bus.last_seq(Context.ROLLOUTS)
+
+
+async def test_a_different_event_under_a_taken_id_is_still_an_integrity_error(engine, bus) -> None:
+    first = RolloutStarted(run_id=RUN, rollout_id="ro-a", task_id="t", group_id="g", harness="gyre",
+                           weight_version=0, api_key_digest=D, event_id="same-id")
+    other = RolloutStarted(run_id=RUN, rollout_id="ro-b", task_id="t", group_id="g", harness="gyre",
+                           weight_version=0, api_key_digest=D, event_id="same-id")
+    await bus.publish(first)
+    await _store_again(bus, other, "other-msg")
+    runner = ProjectionRunner(engine, bus, readmodels, retry_delay_s=0.01)
+    await runner.catch_up()
+    assert (runner.dead_lettered, runner.duplicates) == (1, 0)
+    with Session(engine) as s:
+        assert s.get(RolloutRow, "ro-b") is None

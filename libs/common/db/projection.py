@@ -12,6 +12,13 @@ dead-lettered with the reason and its offset is passed; the projection keeps goi
 database that cannot be reached (a connection error, a locked SQLite file) is no fault
 of the event's: the runner waits and tries again for as long as it takes (backing off
 up to ``DB_RETRY_MAX_S``), so an outage stalls the read models and skips nothing.
+
+The log may hold one event twice at two sequences (a publisher's retry after a lost ack,
+past the bus's de-duplication window: same event id, same bytes). A projection with an
+``already_applied`` check (the read models look the event id up in ``events``) skips
+such a second copy, earlier batches' or its own batch's, and its offset still advances;
+an event whose id is taken by a *different* event is not skipped, so that integrity
+error still fails and is dead-lettered.
 """
 
 from __future__ import annotations
@@ -62,6 +69,9 @@ class Projection:
     handlers: dict[str, Apply] = field(default_factory=dict)
     # called for every event of the projection's streams, before its typed handler
     on_any: Apply | None = None
+    # True for a second stored copy of an event already applied (same event id): the
+    # runner skips it. Sees the rows of the events before it in the same batch.
+    already_applied: Callable[[Session, Event], bool] | None = None
 
     def on(self, *types: type[Event]) -> Callable[[Apply], Apply]:
         def deco(fn: Apply) -> Apply:
@@ -110,6 +120,7 @@ class ProjectionRunner:
         self.filter_run = filter_run
         self.applied = 0
         self.dead_lettered = 0
+        self.duplicates = 0  # second stored copies of an event, skipped
 
     @property
     def consumer_name(self) -> str:
@@ -200,17 +211,25 @@ class ProjectionRunner:
             if row is None:
                 row = ProjectionOffset(projection=self.projection.name, stream=stream, last_seq=0, applied=0)
                 s.add(row)
-            n = 0
+            n = dups = 0
             for raw in batch:
                 if raw.seq <= row.last_seq:
                     continue  # already applied (e.g. a second runner raced us)
                 if not skip:
-                    self._dispatch(s, Delivery(decode(raw.data), stream, raw.seq, raw.subject))
-                    n += 1
+                    event = decode(raw.data)
+                    seen = self.projection.already_applied
+                    if seen is not None and seen(s, event):
+                        log.info("projection %s: %s seq %d is a second stored copy of event %s; skipped",
+                                 self.projection.name, stream, raw.seq, event.event_id)
+                        dups += 1
+                    else:
+                        self._dispatch(s, Delivery(event, stream, raw.seq, raw.subject))
+                        n += 1
                 row.last_seq = raw.seq
             row.applied = (row.applied or 0) + n
             row.updated_at = datetime.now(UTC)
         self.applied += n
+        self.duplicates += dups
 
     def _dispatch(self, s: Session, d: Delivery) -> None:
         if self.projection.on_any is not None:

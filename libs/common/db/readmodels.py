@@ -2,13 +2,16 @@
 
 Handlers only write rows; they never publish or call out. Rows are upserted by key so
 that the projection stays correct even when events of one entity arrive out of their
-causal order across streams (e.g. a score before the rollout's end).
+causal order across streams (e.g. a score before the rollout's end). An event stored twice
+(same id, same content: a publisher's retry past the bus's de-duplication window) is
+applied once: ``already_applied`` finds its id in ``events`` and the runner skips the copy.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..bus.port import Delivery
@@ -36,6 +39,17 @@ def _log_event(s: Session, d: Delivery) -> None:
 
 
 readmodels.on_any = _log_event
+
+
+def _already_logged(s: Session, ev: Any) -> bool:
+    """The same event (id, type, run and payload) is in ``events`` already: a second
+    stored copy. A different event under a taken id is not, and fails on insert."""
+    row = s.execute(select(EventRow.type, EventRow.run_id, EventRow.payload)
+                    .where(EventRow.event_id == ev.event_id)).first()
+    return row is not None and (row.type, row.run_id, row.payload) == (ev.TYPE, ev.run_id, ev.payload())
+
+
+readmodels.already_applied = _already_logged
 
 
 def _rollout(s: Session, run_id: str, rollout_id: str, **defaults: Any) -> RolloutRow:
