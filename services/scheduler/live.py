@@ -151,6 +151,10 @@ class LiveScheduler:
         self.demand.apply(ev)
         if ev.CONTEXT is not Context.CELLS:
             return
+        if self.fold.repeated(ev):  # a second stored copy (a publisher's retry past the duplicate window)
+            self.fold.duplicates += 1
+            log.info("scheduler: %s %s read again (a second stored copy); nothing applied", ev.TYPE, ev.event_id)
+            return
         errors = len(self.fold.errors)
         accepted = self.fold.apply(ev)
         if len(self.fold.errors) > errors:

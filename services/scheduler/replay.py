@@ -76,6 +76,8 @@ class CellsFold:
     timelines: dict[str, list[tuple[float, str]]] = field(default_factory=dict)
     applied: int = 0
     errors: list[str] = field(default_factory=list)  # events the core refused, with the reason
+    duplicates: int = 0  # second stored copies of an event (a retry past the bus's de-duplication window)
+    _seen: set[str] = field(default_factory=set, repr=False)  # event ids read
 
     def apply_fact(self, fact: Any) -> None:
         before = self.state
@@ -84,8 +86,19 @@ class CellsFold:
         for cell, at, phase in phase_changes(before, self.state, fact.at):
             self.timelines.setdefault(cell, []).append((at, phase))
 
+    def repeated(self, event: Any) -> bool:
+        """``event`` is a second stored copy of one this fold has read (same event id)."""
+        return getattr(event, "event_id", None) in self._seen
+
     def apply(self, event: Any) -> bool:
-        """Applies one cells event; False when the core does not read it or refused it."""
+        """Applies one cells event; False when the core does not read it or refused it, or
+        when it is a second stored copy of an event read already (same event id: a
+        publisher's retry after a lost ack, past the bus's de-duplication window)."""
+        if self.repeated(event):
+            self.duplicates += 1
+            return False
+        if getattr(event, "event_id", None) is not None:
+            self._seen.add(event.event_id)
         try:
             fact = from_event(event)
             if fact is None or repeats_phase(self.state, fact):

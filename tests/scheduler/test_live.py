@@ -436,3 +436,44 @@ async def test_the_first_tick_sees_the_whole_history(js_bus) -> None:
                          send_switch=send_switch, tick_s=0.01)
     await asyncio.wait_for(live.run(stop), 20)
     assert seen[0] == n
+
+
+def test_a_second_stored_copy_of_a_cells_event_changes_nothing() -> None:
+    """A publisher's retry past the bus's duplicate window stores an event twice (same id).
+    The fold reads the second copy as nothing: the same state, timelines and no error,
+    whether the copy comes at once or after later events."""
+    from services.scheduler.replay import CellsFold
+
+    events = [CellRegistered(run_id="r", cell="c0", role="inference", is_core=True, capacity=4),
+              SwitchRequested(run_id="r", cell="c0", from_role="inference", to_role="training",
+                              water_level=0.0, reason="backlog"),
+              *(SwitchPhaseEntered(run_id="r", cell="c0", phase=p) for p in ("migrating", "releasing", "joining")),
+              SwitchCompleted(run_id="r", cell="c0", role="training", weight_version=0)]
+    once, twice = CellsFold(), CellsFold()
+    for ev in events:
+        once.apply(ev)
+    for i, ev in enumerate(events):
+        twice.apply(ev)
+        twice.apply(ev)  # at once
+        if i >= 2:
+            twice.apply(events[i - 2])  # after later events
+    assert (twice.state, twice.timelines, twice.errors) == (once.state, once.timelines, [])
+    assert twice.applied == once.applied and twice.duplicates == len(events) + len(events) - 2
+
+
+async def test_the_live_scheduler_reads_a_second_copy_of_its_request_as_nothing(js_bus) -> None:
+    """Its own SwitchRequested read back twice: the switch is still sent, once."""
+    run, bus = "dup", js_bus
+    live, sent = await _idle_pair(bus, run)
+    await _work(bus, run)
+    await asyncio.sleep(0.3)
+    async for d in bus.read(Context.TREES):
+        live.demand.apply(d.event)
+    facts = await live.tick()
+    assert any(type(f).__name__ == "SwitchStarted" for f in facts)
+    requests = [d.event async for d in bus.read(Context.CELLS, filter_subject=f"gyre.{run}.cells.>")
+                if isinstance(d.event, SwitchRequested)]
+    live._apply_event(requests[-1])  # the second copy, read before the next tick
+    await live.tick()
+    await asyncio.sleep(0.1)
+    assert len(sent) == 1 and live.fold.duplicates >= 1 and live.fold.errors == []
