@@ -41,12 +41,23 @@ class KvMover(Protocol):
         """Copy the cached prefix of ``input_ids`` from source to target; tokens moved."""
 
 
+class KvNotMoved(RuntimeError):
+    """The copy ran, but the target holds none of the session's prefix (the source had none
+    cached, or the target's cache could not keep it): the session is re-prefilled."""
+
+
 class HttpKvMover:
-    """Export from the source engine, import into the target (Gyre's engine extension)."""
+    """Export from the source engine, import into the target (Gyre's engine extension).
+    Raises :class:`KvNotMoved` unless the target holds the whole exported prefix, so a copy
+    that kept nothing is recorded as a re-prefill, not as a migration."""
 
     async def move(self, source: Any, target: Any, input_ids: list[int]) -> int:
         blob = await source.kv_export(input_ids)
         answer = await target.kv_import(blob)
+        if answer.get("success") is False:
+            raise KvNotMoved(answer.get("message") or "the target did not keep the prefix")
+        if not answer.get("tokens", 1):
+            raise KvNotMoved("the source cell had none of the session's prefix cached")
         return int(answer.get("added_tokens", 0) or 0)
 
 

@@ -130,3 +130,36 @@ def test_a_deadline_must_be_a_positive_number():
     for bad in (0, -1, math.nan, math.inf, "10", True, [1]):
         with pytest.raises(ValueError, match="deadline_s"):
             check_deadline(bad)
+
+
+class _Engine:
+    """A cell's engine client as the HTTP mover sees it: an export, and an import answered
+    as Gyre's engine answers it (``success`` only when the cache holds the whole prefix)."""
+
+    def __init__(self, answer: dict) -> None:
+        self.answer = answer
+
+    async def kv_export(self, ids):
+        return b"kv"
+
+    async def kv_import(self, blob):
+        return self.answer
+
+
+async def test_the_http_mover_records_a_copy_the_target_did_not_keep_as_a_reprefill(monkeypatch):
+    import services.proxy.migration as migration
+
+    monkeypatch.setattr(migration, "session_tokens", lambda service, s: list(range(70)))
+    cases = {"kept": ({"success": True, "added_tokens": 67, "tokens": 67, "cached_tokens": 67}, "migrated", 67),
+             "not kept": ({"success": False, "added_tokens": 0, "tokens": 67, "cached_tokens": 0,
+                           "message": "KV prefix of 67 tokens not kept"}, "reprefilled", 0),
+             "nothing cached at the source": ({"success": True, "added_tokens": 0, "tokens": 0,
+                                               "cached_tokens": 0}, "reprefilled", 0)}
+    for name, (answer, kv, tokens) in cases.items():
+        service = _service(("a", "b"))
+        service.clients = {"a": _Engine({}), "b": _Engine(answer)}
+        service.router.pin("r1/s1", "a")
+        out = await evacuate(service, "a", timeout_s=0.05)
+        events = [d.event async for d in service.bus.read(Context.CALLS) if isinstance(d.event, SessionRerouted)]
+        assert (out.moves[0].kv, events[0].kv, events[0].migrated_tokens) == (kv, kv, tokens), name
+        assert (out.moves[0].error is None) == (kv == "migrated"), name
