@@ -32,7 +32,8 @@ def run_scenario(name: str, timeout_s: float = 120.0, **kwargs) -> dict:
     isolated = netns_available()
     if isolated:
         cmd = ["unshare", "-n", "sh", "-c", "ip link set lo up && exec " + shlex.join(cmd)]
-    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "GLOG_minloglevel": "2"}
+    env = {**os.environ, "UCX_WARN_UNUSED_ENV_VARS": "n", "GLOG_minloglevel": "2",
+           "GYRE_SCENARIO_NETNS": "1" if isolated else "0"}
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

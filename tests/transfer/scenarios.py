@@ -331,8 +331,13 @@ def choice(backend: str) -> dict:
     """What the embedded default picks, pinned and unpinned, and how it says so."""
     import logging
 
+    import subprocess
+
     from libs.common.transfer import default
 
+    # before any agent: the libraries read the machine's addresses when they start
+    added = os.environ.get("GYRE_SCENARIO_NETNS") == "1" and subprocess.run(
+        ["ip", "addr", "add", "10.9.9.9/32", "dev", "lo"], capture_output=True).returncode == 0
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda rec: records.append(rec.getMessage())  # type: ignore[method-assign]
@@ -346,6 +351,33 @@ def choice(backend: str) -> dict:
     probe = default.probe()
     r["probe"] = {"backend": probe.backend, "skipped": probe.skipped}
     r["log"] = records
+    # GYRE_TRANSFER_HOST: the address peers are told; a second address on this private
+    # namespace's loopback stands for the machine's own (only where the namespace is ours).
+    # Both libraries advertise it; a transfer through it is checked on Mooncake (UCX's
+    # connect to a second loopback address times out here, a NIC's is untested)
+    from libs.common.transfer.port import split_blocks
+
+    r["advertised"] = None
+    if added:
+        os.environ["GYRE_TRANSFER_HOST"] = "10.9.9.9"
+        r["advertised"] = {}
+        for name in default.BACKENDS:
+            try:
+                agent = default.open_agent(prefer=name)
+            except default.TransferFailed:
+                continue  # not installed here
+            r["advertised"][name] = agent.endpoint.rsplit(":", 1)[0]
+            if name == "mooncake":
+                reader = default.open_agent(prefer=name)
+                agent.register("kv", np.arange(1 << 16, dtype=np.uint8))
+                reader.register("stage", np.zeros(1 << 16, np.uint8))
+                reader.read(agent.descriptor(["kv"]), split_blocks("stage", "kv", 1 << 16, 4096), timeout_s=30)
+                r["read_through_it"] = bool((reader.view("stage") == np.arange(1 << 16, dtype=np.uint8)).all())
+                reader.close()
+            agent.close()
+    os.environ["GYRE_TRANSFER_HOST"] = "10.0.0.1:7000"
+    r["bad_host"] = _error(lambda: default.open_agent(prefer=backend))
+    del os.environ["GYRE_TRANSFER_HOST"]
     return r
 
 

@@ -3,6 +3,10 @@
 ``open_agent()`` tries Mooncake, then UCX (or only ``prefer``), builds an agent, and logs
 which one it chose and why the others were passed over; ``probe()`` reports the same
 without keeping an agent. ``GYRE_TRANSFER_BACKEND`` (``mooncake`` | ``ucx``) pins one.
+``GYRE_TRANSFER_HOST`` is the address the agent advertises to its peers (in every KV offer
+and port weight or gradient descriptor): 127.0.0.1 by default, which only a peer on the same
+machine can reach; on a cluster set it to the pod's or node's address (the Helm chart sets
+the pod IP). The libraries listen on every interface whatever it says.
 """
 
 from __future__ import annotations
@@ -23,13 +27,27 @@ class TransferConfig:
     """Which backend (None: the first that works) and where its listener says it lives."""
 
     backend: str | None = None
-    host: str = "127.0.0.1"
+    host: str = field(default_factory=lambda: advertised_host())
     ucx_transports: str = "tcp,self"
     mooncake_protocol: str = "tcp"
     mooncake_device: str = ""
 
     def build(self) -> TransferAgent:
         return open_agent(self)
+
+
+def advertised_host(environ: dict[str, str] | None = None) -> str:
+    """``GYRE_TRANSFER_HOST``, else 127.0.0.1 (peers on this machine only). A value that is
+    not a host name or IPv4 address raises :class:`TransferFailed` naming the variable (an
+    agent cannot be opened, as when no backend works)."""
+    env = os.environ if environ is None else environ
+    host = (env.get("GYRE_TRANSFER_HOST") or "").strip()
+    if not host:
+        return "127.0.0.1"
+    if any(c.isspace() or c in ":/[]" for c in host):
+        raise TransferFailed(f"GYRE_TRANSFER_HOST must be a host name or IPv4 address its peers can reach "
+                             f"(no port), not {host!r}")
+    return host
 
 
 @dataclass

@@ -106,6 +106,11 @@ app.kubernetes.io/component: {{ .component }}
   value: {{ .Values.logLevel | quote }}
 - name: GYRE_LOG_JSON
   value: "true"
+# the address this pod's transfer agent (KV offers, port weights and gradients) gives its
+# peers: 127.0.0.1 would send them to their own loopback
+- name: GYRE_TRANSFER_HOST
+  valueFrom:
+    fieldRef: {fieldPath: status.podIP}
 - name: GYRE_HOST
   value: "0.0.0.0"
 - name: GYRE_RUN_DIR
