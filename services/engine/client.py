@@ -3,17 +3,24 @@
 It speaks SGLang's native endpoints (see ../shared/notes/sglang-api.md); the proxy, the
 scheduler's cell agent and the trainer use it. Version notes: ``begin_weight_update`` /
 ``end_weight_update`` exist in SGLang >= 0.5.21 and are required there around tensor and
-distributed updates; ``weight_update_window`` calls them only when ``use_update_window``.
+distributed updates; ``weight_update_window`` calls them only when ``use_update_window``,
+and ends the window when its body fails (with ``{"abort": true}``, a Gyre extension that
+drops what was staged, only on Gyre's engine; SGLang gets its plain ``{}``).
 The ``kv_export``/``kv_import`` calls are Gyre extensions that SGLang does not have.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import httpx
+
+log = logging.getLogger(__name__)
+GYRE_ENGINE_VERSION_PREFIX = "gyre-engine"  # /server_info "version" of the embedded engine (http_app)
 
 
 class CellError(RuntimeError):
@@ -31,11 +38,15 @@ class EngineClient:
         admin_token: str | None = None,
         timeout: float = 600.0,
         use_update_window: bool = True,
+        gyre_engine: bool | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
+        """``gyre_engine``: whether the cell is Gyre's embedded engine (None: asked from
+        ``/server_info`` when it matters, see :meth:`_is_gyre_engine`)."""
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self._http = httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, transport=transport)
         self.use_update_window = use_update_window
+        self.gyre_engine = gyre_engine
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -116,12 +127,54 @@ class EngineClient:
     # -- weights -------------------------------------------------------------------------
     @asynccontextmanager
     async def weight_update_window(self, weight_version: str | None = None):
-        """``begin_weight_update`` ... ``end_weight_update`` around the body."""
-        if self.use_update_window:
-            await self._post("/begin_weight_update", {})
-        yield
-        if self.use_update_window:
+        """``begin_weight_update`` ... ``end_weight_update`` around the body.
+
+        The window never stays open behind a failure: when the body raises, the window is
+        closed without applying what it staged (:meth:`_close_failed_window`) and the body's
+        error propagates, so the caller never counts ``weight_version`` as applied. When
+        ``end`` itself fails, a Gyre engine's window is dropped too (best effort) and the
+        end's error propagates."""
+        if not self.use_update_window:
+            yield
+            return
+        await self._post("/begin_weight_update", {})
+        try:
+            yield
+        except (Exception, asyncio.CancelledError):
+            await self._close_failed_window()
+            raise
+        try:
             await self._post("/end_weight_update", {"weight_version": weight_version})
+        except Exception:
+            if await self._is_gyre_engine():  # e.g. refused while released: do not leave it open
+                await self._close_failed_window()
+            raise
+
+    async def _close_failed_window(self) -> None:
+        """Ends a window whose body failed, never raising (the body's error is the one that
+        counts). A Gyre engine gets ``{"abort": true}`` (a Gyre extension) and drops what
+        was staged. SGLang has no abort (its ``end_weight_update`` takes ``{}``, see
+        ../shared/notes/sglang-api.md): it gets a plain ``{}`` end, without the version, so
+        its window does not stay open; updates it already took in stay loaded, and the
+        caller, which gets the error, must load the full weights again before counting any
+        version."""
+        try:
+            body = {"abort": True} if await self._is_gyre_engine() else {}
+            await self._post("/end_weight_update", body)
+        except Exception as exc:  # the engine is gone or refuses: nothing more to do here
+            log.warning("closing a failed weight update window: %r", exc)
+
+    async def _is_gyre_engine(self) -> bool:
+        """Whether the cell is Gyre's embedded engine (its ``/server_info`` ``version``
+        starts with ``gyre-engine``) rather than SGLang; decides whether Gyre-only request
+        fields may be sent. Asked once; an engine that does not answer counts as SGLang."""
+        if self.gyre_engine is None:
+            try:
+                version = (await self.server_info()).get("version")
+            except Exception:
+                return False
+            self.gyre_engine = isinstance(version, str) and version.startswith(GYRE_ENGINE_VERSION_PREFIX)
+        return self.gyre_engine
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | None = None,
                                        abort_all_requests: bool = False) -> dict:

@@ -24,7 +24,7 @@ from .scheduler import PauseMode
 from .settings import EngineSettings
 from .weights import WeightManager, WeightUpdateError, deserialize_named_tensors
 
-SERVER_VERSION = "gyre-engine 0.1 (sglang 0.5.23 API subset)"
+SERVER_VERSION = "gyre-engine 0.1 (sglang 0.5.23 API subset)"  # the client tells us from SGLang by its prefix
 METRICS_WAIT_S = 5.0
 
 
@@ -166,7 +166,12 @@ def _weight_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin) 
 
     @app.post("/end_weight_update", dependencies=[admin])
     async def end_weight_update(request: Request) -> dict:
-        version = _version((await _json_body(request)).get("weight_version"))
+        body = await _json_body(request)
+        version = _version(body.get("weight_version"))
+        if body.get("abort") is True:  # Gyre extension: close the window, apply nothing
+            weights.end(version, abort=True)
+            return {"success": True, "message": "weight update window dropped; nothing applied",
+                    "num_paused_requests": 0}
         paused = await asyncio.wrap_future(weights.end(version))
         return {"success": True, "message": "weights applied", "num_paused_requests": paused}
 
@@ -182,15 +187,17 @@ def _weight_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin) 
 
     @app.post("/update_weights_from_tensor", dependencies=[admin])
     async def update_weights_from_tensor(request: Request) -> dict:
-        body = await _json_body(request)
-        payloads = body.get("serialized_named_tensors")
-        if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
-            raise InvalidRequest("serialized_named_tensors must be a list with one string (tensor parallel size 1)")
-        if body.get("load_format") not in (None, "direct"):
-            raise InvalidRequest(f"load_format {body['load_format']!r} is not supported (use direct)")
-        named = await asyncio.to_thread(deserialize_named_tensors, payloads[0])
-        checked = weights.check_all(named)
-        await asyncio.wrap_future(weights.submit(checked, _version(body.get("weight_version"))))
+        with weights.guard():  # a failure inside a begin/end window drops the window
+            body = await _json_body(request)
+            payloads = body.get("serialized_named_tensors")
+            if not isinstance(payloads, list) or len(payloads) != 1 or not isinstance(payloads[0], str):
+                raise InvalidRequest("serialized_named_tensors must be a list with one string "
+                                     "(tensor parallel size 1)")
+            if body.get("load_format") not in (None, "direct"):
+                raise InvalidRequest(f"load_format {body['load_format']!r} is not supported (use direct)")
+            named = await asyncio.to_thread(deserialize_named_tensors, payloads[0])
+            checked = weights.check_all(named)
+            await asyncio.wrap_future(weights.submit(checked, _version(body.get("weight_version"))))
         return {"success": True, "message": f"{len(checked)} tensors accepted"}
 
 
@@ -209,13 +216,14 @@ def _distributed_routes(app: FastAPI, engine: Engine, weights: WeightManager, ad
 
     @app.post("/update_weights_from_distributed", dependencies=[admin])
     async def update_weights_from_distributed(request: Request) -> dict:
-        body = await _json_body(request)
-        names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
-        if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
-            raise InvalidRequest("names, dtypes and shapes must be lists")
-        group = str(body.get("group_name", weights.group_name or "weight_update_group"))
-        checked = await asyncio.to_thread(weights.receive_broadcast, names, dtypes, shapes, group)
-        await asyncio.wrap_future(weights.submit(checked, _version(body.get("weight_version"))))
+        with weights.guard():  # a failure inside a begin/end window drops the window
+            body = await _json_body(request)
+            names, dtypes, shapes = body.get("names"), body.get("dtypes"), body.get("shapes")
+            if not all(isinstance(v, list) for v in (names, dtypes, shapes)):
+                raise InvalidRequest("names, dtypes and shapes must be lists")
+            group = str(body.get("group_name", weights.group_name or "weight_update_group"))
+            checked = await asyncio.to_thread(weights.receive_broadcast, names, dtypes, shapes, group)
+            await asyncio.wrap_future(weights.submit(checked, _version(body.get("weight_version"))))
         return {"success": True, "message": f"{len(checked)} tensors received"}
 
     @app.post("/destroy_weights_update_group", dependencies=[admin])

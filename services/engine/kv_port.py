@@ -22,7 +22,8 @@ was read imports nothing (the source may have freed those blocks mid-read): both
 within the TTL).
 
 The agent is this process's embedded default (``libs.common.transfer.default``), opened
-on first use. ``http_app.create_app`` serves these routes (with ``kv_offer_ttl_s``);
+on first use; when no backend opens (or the transfer fails), offer, fetch and release answer
+a 400 naming the backend problem, not a bare 500. ``http_app.create_app`` serves these routes (with ``kv_offer_ttl_s``);
 ``attach(service)`` returns that port, or adds the routes to a service built without them.
 :class:`PortCellClient` is the scheduler's handle on a cell for
 ``libs.common.transfer.kv.migrate_session``; :class:`PortKvMover` plugs the same path into
@@ -239,7 +240,10 @@ def add_routes(app: FastAPI, port: KVPort, admin) -> None:
         ids = body.get("input_ids")
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
             raise InvalidRequest("input_ids must be a list of token ids")
-        return await port.offer(ids, bool(body.get("checksums", False)))
+        try:
+            return await port.offer(ids, bool(body.get("checksums", False)))
+        except TransferFailed as exc:  # e.g. no transfer backend opens here: a clear 400, not a bare 500
+            raise InvalidRequest(f"kv offer failed, nothing offered: {exc}") from None
 
     @app.post("/gyre/kv/port/fetch", dependencies=[admin])
     async def kv_port_fetch(request: Request) -> dict:
@@ -258,7 +262,10 @@ def add_routes(app: FastAPI, port: KVPort, admin) -> None:
         lease = (await json_body(request)).get("lease")
         if not isinstance(lease, str):
             raise InvalidRequest("lease must be a string")
-        return {"success": port.release(lease)}
+        try:
+            return {"success": port.release(lease)}
+        except TransferFailed as exc:  # the transfer backend cannot open (or drop the region)
+            raise InvalidRequest(f"kv release failed: {exc}") from None
 
 
 def attach(service, agent: TransferAgent | None = None) -> KVPort:

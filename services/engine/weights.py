@@ -22,6 +22,13 @@ Rules that keep answers correct:
   refused (staging writes nothing); a refused ``end`` closes the window and drops what was
   staged. An ``end`` while the weights are released is refused too, but keeps the window:
   resume memory, then end again.
+- A window never stays open behind a failure (so a ``success`` answer never means "staged
+  in a window nobody will end"): a tensor, distributed or pull update that fails while a
+  window is open drops the window and what it staged (:meth:`WeightManager.guard`), and
+  ``end_weight_update {"abort": true}`` (a Gyre extension; the client sends it when the
+  body of its window raised) drops it on purpose. Every later update then applies at once
+  again. An ``end`` with no window open is refused (400, naming why the last window was
+  dropped) rather than answering success for nothing applied.
 - Every applied update flushes the prefix cache (cached KV of old weights is stale) and
   bumps ``Engine.weight_generation``: a sequence paused in place across the update keeps
   its old-weight KV to finish, but that KV never goes back into the cache.
@@ -36,8 +43,9 @@ import logging
 import pickle
 import tempfile
 from concurrent.futures import Future
+from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 import torch
 
@@ -114,6 +122,7 @@ class WeightManager:
         self._store = None
         self._parked: Path | None = None
         self._staged_version: str | None = None
+        self._dropped: str | None = None  # why the last window closed without being applied
 
     # -- checks ----------------------------------------------------------------------
     def resolve(self, name: str) -> str:
@@ -141,12 +150,41 @@ class WeightManager:
 
     # -- applying ----------------------------------------------------------------------
     def begin(self) -> None:
-        self.staged, self._staged_version = {}, None
+        self.staged, self._staged_version, self._dropped = {}, None, None
 
-    def end(self, weight_version: str | None) -> Future:
+    def drop_window(self, reason: str) -> bool:
+        """Closes an open window without applying what it staged; False when none was open."""
+        if self.staged is None:
+            return False
+        self.staged, self._staged_version, self._dropped = None, None, reason
+        log.info("weight update window dropped, nothing of it applied: %s", reason)  # its owner gets the error
+        return True
+
+    @contextmanager
+    def guard(self) -> Iterator[None]:
+        """Around one tensor, distributed or pull update: if it fails while a window is open,
+        the window is dropped (its owner's ``end`` is then refused), so later updates that
+        open no window of their own apply at once instead of being staged for good."""
+        try:
+            yield
+        except BaseException as exc:
+            self.drop_window(f"an update inside it failed: {type(exc).__name__}: {exc}")
+            raise
+
+    def end(self, weight_version: str | None, abort: bool = False) -> Future:
+        """Applies the open window (a future of the apply); ``abort`` drops it instead (no
+        window open: nothing to do). An ``end`` with no window open is refused."""
+        if abort:
+            self.drop_window("aborted by its owner (end_weight_update with abort)")
+            done: Future = Future()
+            done.set_result(0)
+            return done
+        if self.staged is None:
+            why = f" (the last one was dropped: {self._dropped})" if self._dropped else ""
+            raise WeightUpdateError(f"no weight update window is open{why}; nothing applied")
         if "weights" in self.engine.released:  # refused with the window kept: end again after resuming
             raise WeightUpdateError("weights are released; resume_memory_occupation, then end the update again")
-        staged, self.staged = self.staged or {}, None  # a refused end (reject mode) drops the window too
+        staged, self.staged = self.staged, None  # a refused end (reject mode) drops the window too
         version = weight_version if weight_version is not None else self._staged_version
 
         def write() -> int:

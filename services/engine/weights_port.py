@@ -5,7 +5,8 @@
 name and shape of the published snapshot against this model first (nothing moves on a
 mismatch), pulls it in one batch (``libs.common.transfer.weights.pull_weights``), then
 applies it all at once like a tensor update (inside a begin/end window it is staged)
-and takes the descriptor's weight version. A failed pull applies nothing.
+and takes the descriptor's weight version. A failed pull applies nothing, and inside a
+window it drops the window (``WeightManager.guard``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def add_routes(app: FastAPI, weights: WeightManager, agent_of, admin) -> None:
 
     @app.post("/gyre/weights/pull", dependencies=[admin])
     async def weights_pull(request: Request) -> dict:
+        with weights.guard():  # a failure inside a begin/end window drops the window
+            return await _pull(request)
+
+    async def _pull(request: Request) -> dict:
         body = await json_body(request)
         try:
             desc = WeightsDescriptor.from_json(body["descriptor"])

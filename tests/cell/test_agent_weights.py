@@ -89,3 +89,27 @@ def test_the_sglang_launcher_keeps_a_cpu_copy_of_the_weights_only_when_asked() -
     assert "--enable-weights-cpu-backup" not in build_command(SGLangConfig(model_path="m"))
     cmd = build_command(SGLangConfig(model_path="m", enable_weights_cpu_backup=True))
     assert "--enable-memory-saver" in cmd and "--enable-weights-cpu-backup" in cmd
+
+
+async def test_a_push_that_fails_part_way_is_reported_failed_and_leaves_no_window_open() -> None:
+    """A real embedded engine refuses the pushed weights (a name it does not have): the
+    switch back to inference fails at ``resuming``, the engine's update window is closed,
+    and the engine does not report the pushed version as its own."""
+    from services.cell.adapters import EngineControl
+    from services.engine.model_store import default_cache_dir, ensure_tiny_qwen
+    from tests.engine.conftest import asgi_client, make_service
+
+    ensure_tiny_qwen(default_cache_dir())
+    service = make_service(admin_token="secret")
+    try:
+        async with asgi_client(service, admin_token="secret") as client:
+            agent = _agent(InMemoryBus(), EngineControl(client))  # publishes v3 = {"w": ...}: unknown here
+            await agent.register()
+            assert (await agent.switch("training")).ok
+            rec = await agent.switch("inference")
+            assert not rec.ok and rec.failed_phase == "resuming" and "unknown weight name" in (rec.reason or "")
+            assert service.weights.staged is None  # the failed push did not leave the window open
+            await client.resume_memory()
+            assert (await client.model_info())["weight_version"] != "3"
+    finally:
+        service.close()

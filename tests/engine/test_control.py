@@ -330,3 +330,44 @@ async def test_mixed_load_with_aborts_and_pauses_leaves_a_clean_engine(cell, fre
     stats = (await cell.server_info())["internal_states"][0]
     assert stats["running"] == 0 and stats["waiting"] == 0
     assert not fresh_service.engine._live
+
+
+async def test_a_window_whose_body_fails_is_closed_and_applies_nothing(cell, fresh_service):
+    """The client's window ends (with Gyre's abort) when its body raises: nothing staged is
+    applied, the version stays, and a later update without a window applies at once."""
+    original = _params(fresh_service)
+    with pytest.raises(RuntimeError, match="trainer died"):
+        async with cell.weight_update_window(weight_version="5"):
+            await cell.update_weights_from_tensor(serialize_named_tensors([(EMBED, _perturb(original[EMBED]))]),
+                                                  weight_version="5")
+            raise RuntimeError("trainer died mid-push")
+    assert fresh_service.weights.staged is None  # not left open
+    assert torch.equal(_params(fresh_service)[EMBED], original[EMBED])
+    assert (await cell.model_info())["weight_version"] == "0"
+    new = _perturb(original[Q0])
+    answer = await cell.update_weights_from_tensor(serialize_named_tensors([(Q0, new)]), weight_version="6")
+    assert answer["success"] and torch.equal(_params(fresh_service)[Q0], new)  # success means applied
+    assert (await cell.model_info())["weight_version"] == "6"
+
+
+async def test_an_update_refused_inside_a_window_drops_it_and_a_later_end_is_refused(cell, fresh_service):
+    """Engine side, whatever the client does: a staged update that fails drops the window,
+    so the next update without a window applies, and an end with no window open is a 400
+    (not a success that applied nothing)."""
+    original = _params(fresh_service)
+    await cell._post("/begin_weight_update", {})
+    await cell.update_weights_from_tensor(serialize_named_tensors([(EMBED, _perturb(original[EMBED]))]))
+    with pytest.raises(CellError) as err:  # a bad tensor, staged nowhere
+        await cell.update_weights_from_tensor(serialize_named_tensors([(Q0, torch.zeros(3, 3))]))
+    assert err.value.status == 400 and fresh_service.weights.staged is None
+    with pytest.raises(CellError) as err:
+        await cell._post("/end_weight_update", {"weight_version": "5"})
+    assert err.value.status == 400 and "no weight update window" in err.value.message
+    assert "dropped" in err.value.message
+    assert torch.equal(_params(fresh_service)[EMBED], original[EMBED])  # the staged part was not applied
+    assert (await cell.model_info())["weight_version"] == "0"
+    new = _perturb(original[Q0])
+    await cell.update_weights_from_tensor(serialize_named_tensors([(Q0, new)]), weight_version="6")
+    assert torch.equal(_params(fresh_service)[Q0], new) and (await cell.model_info())["weight_version"] == "6"
+    # an abort with no window open is harmless
+    assert (await cell._post("/end_weight_update", {"abort": True}))["success"]

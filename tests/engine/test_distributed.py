@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from services.cell.adapters import push_weights
 from services.engine.client import CellError
 
 from .conftest import asgi_client
@@ -81,3 +82,36 @@ async def test_weights_broadcast_from_a_trainer_process(fresh_service, tmp_path)
     params = dict(fresh_service.engine.runner.model.named_parameters())
     assert torch.equal(params[EMBED], new[EMBED])
     assert torch.equal(params[Q0], new[Q0].float())
+
+
+async def test_a_distributed_update_after_a_failed_windowed_push_is_applied(fresh_service, tmp_path):
+    """The cell agent's push_weights (begin / tensor / end) fails part-way: the window must
+    not stay open, or the trainer's next distributed update (which opens no window) would
+    answer success while only staged, and the cell would serve old weights as the new version."""
+    original = fresh_service.original
+    async with asgi_client(fresh_service, admin_token="secret") as cell:
+        with pytest.raises(CellError):
+            await push_weights(cell, 5, {Q0: torch.zeros(3, 3)})
+        assert fresh_service.weights.staged is None
+        assert (await cell.model_info())["weight_version"] == "0"  # the failed push is not counted
+        new = {Q0: original[Q0] * -1}
+        save_file(new, str(tmp_path / "w.safetensors"))
+        port = _free_port()
+        sender = subprocess.Popen(
+            [sys.executable, "-m", "tests.engine.weight_sender", "--port", str(port), "--file",
+             str(tmp_path / "w.safetensors"), "--group", "g2", "--names", Q0],
+            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            await cell.init_weights_update_group("127.0.0.1", port, 1, 2, "g2")
+            answer = await cell.update_weights_from_distributed([Q0], ["float32"], [list(original[Q0].shape)], "g2",
+                                                               weight_version="6")
+            out, _ = await asyncio.to_thread(sender.communicate, timeout=60)
+            assert sender.returncode == 0, out
+            assert answer["success"]
+            params = dict(fresh_service.engine.runner.model.named_parameters())
+            assert torch.equal(params[Q0], new[Q0]) and (await cell.model_info())["weight_version"] == "6"
+            await cell.destroy_weights_update_group("g2")
+        finally:
+            if sender.poll() is None:
+                sender.kill()
+                sender.wait()

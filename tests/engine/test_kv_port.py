@@ -322,3 +322,21 @@ async def test_an_unlabelled_update_during_a_port_transfer_drops_the_fetched_kv(
         src.release(offer["meta"]["lease"])
         for agent in agents:
             agent.close()
+
+
+async def test_offer_and_release_without_a_working_transfer_backend_answer_a_400_naming_it(
+        http, shared_service, monkeypatch):
+    """No transfer backend opens on this cell: the offer route answers a 400 that says so
+    (as fetch and weights pull do), not a bare 500 'Internal Server Error'."""
+    from libs.common.transfer import weights as transfer_weights
+
+    prompt = list(range(8500, 8540))
+    await _cached(http, prompt)
+    monkeypatch.setenv("GYRE_TRANSFER_BACKEND", "nccl")  # a backend that cannot open here
+    monkeypatch.setattr(transfer_weights, "_default", None)
+    monkeypatch.setattr(shared_service.app.state.kv_port, "_agent", None)
+    offer = await http.post("/gyre/kv/port/offer", json={"input_ids": prompt})
+    assert offer.status_code == 400, offer.text
+    assert "transfer backend" in offer.json()["message"] and "nothing offered" in offer.json()["message"]
+    release = await http.post("/gyre/kv/port/release", json={"lease": "kv-1-1"})
+    assert release.status_code == 400 and "transfer backend" in release.json()["message"]
