@@ -20,7 +20,16 @@ every update (SGLang's pause / update / continue flow).
 ``/init_weights_update_group`` on the first publication) and broadcasts every tensor
 while each cell receives it through ``/update_weights_from_distributed`` (SGLang's
 rendezvous, :func:`services.engine.weights.join_weight_group`; NCCL on GPU clusters is
-the same call with ``backend="nccl"``, not exercised here).
+the same call with ``backend="nccl"``, not exercised here). The group needs every cell:
+when one cannot join (down, 503, timeout) the publisher stops the rendezvous store at
+once (so the cells still waiting and its own rank fail within moments, and the port is
+free), tells the cells to leave the group, logs which cells failed and why, and
+publishes that version to no cell (``[]``); the core goes on and records
+``WeightsPublished`` with no target cells. A broadcast that fails is torn down the same
+way. The next publication opens a fresh group, so a cell that missed versions gets the
+newest whole model once every cell can join again (a cell that restarts loads the newest
+``WeightsPublished`` blob itself). Joining and each collective are bounded by
+``join_timeout_s``.
 """
 
 from __future__ import annotations
@@ -59,6 +68,7 @@ class EnginePublisher:
     group_name: str = "gyre-weights"
     pause: Literal["none", "in_place"] = "none"  # tensor / disk: pause generation around every update
     keep: int | None = None  # disk mode: newest version folders kept (None: all); see the trainer's keep_weights
+    join_timeout_s: float = 120.0  # distributed mode: the rendezvous and every collective
     _group: object = field(default=None, repr=False)
     _store: object = field(default=None, repr=False)
 
@@ -142,25 +152,36 @@ class EnginePublisher:
         return target
 
     async def _broadcast(self, version: int, weights: dict[str, torch.Tensor]) -> list[str]:
-        """The cells that applied the version (a failed broadcast: none; the core goes on)."""
+        """The cells that applied the version (a group that cannot open or a failed
+        broadcast: none, the group torn down for the next publication to open afresh; the
+        core goes on)."""
         from services.engine.weights import broadcast_rank0
 
         if self._group is None:
-            await self._open_group()
+            failed = await self._open_group()
+            if failed:
+                log.error("v%d published to no cell: the broadcast group could not open (first failure first: %s)",
+                          version,
+                          "; ".join(f"{cell}: {exc!r}" for cell, exc in failed.items()))
+                return []
         names = list(weights)
         tensors = [weights[n].detach().contiguous().cpu() for n in names]
         dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
         shapes = [list(t.shape) for t in tensors]
+        group = self._group
 
         def send() -> None:
             for t in tensors:
-                broadcast_rank0(self._group, t)
+                broadcast_rank0(group, t)
 
         receives = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name,
                                                       weight_version=str(version)) for c in self.clients.values()]
         sent, *received = await asyncio.gather(asyncio.to_thread(send), *receives, return_exceptions=True)
         if isinstance(sent, BaseException):  # the group itself failed: no cell has this version
-            log.error("broadcasting v%d failed: %r", version, sent)
+            log.error("broadcasting v%d failed: %r (cells: %s); the next publication opens a new group", version,
+                      sent, ", ".join(f"{cell}: {'ok' if not isinstance(a, BaseException) else repr(a)}"
+                                      for cell, a in zip(self.clients, received)))
+            await self.close()  # a broken group is never reused
             return []
         done = []
         for cell, answer in zip(self.clients, received):  # a cell may refuse (e.g. reject mode) or fail alone
@@ -176,30 +197,95 @@ class EnginePublisher:
             return
         from services.engine.weights import leave_weight_group
 
-        for cell, client in self.clients.items():
+        group, self._group, self._store = self._group, None, None
+        await self._leave_cells(self.clients)
+        leave_weight_group(group)
+
+    async def _leave_cells(self, cells) -> None:
+        for cell in cells:
             try:
-                await client.destroy_weights_update_group(self.group_name)
-            except Exception as exc:  # the cell may be gone already
+                await asyncio.wait_for(self.clients[cell].destroy_weights_update_group(self.group_name),
+                                       self.join_timeout_s)
+            except Exception as exc:  # the cell may be gone already, or never joined
                 log.warning("leaving the weight group on %s failed: %r", cell, exc)
-        leave_weight_group(self._group)
-        self._group, self._store = None, None
 
-    async def _open_group(self) -> None:
-        from services.engine.weights import join_weight_group
+    async def _open_group(self) -> dict[str, BaseException]:
+        """Opens the group with every cell; returns the cells that could not join (empty:
+        the group is open). On any failure nothing is left open here: the store this rank
+        hosts is stopped at once, which makes every rank still waiting in the rendezvous
+        fail within moments, and the cells that did join are told to leave."""
+        import datetime
 
-        port = self.master_port or _free_port()
+        import torch.distributed as dist
+
+        timeout = datetime.timedelta(seconds=self.join_timeout_s)
         world = 1 + len(self.clients)
-        joins = [c.init_weights_update_group(self.master_address, port, 1 + i, world, self.group_name)
-                 for i, c in enumerate(self.clients.values())]
-        opened, *_ = await asyncio.gather(
-            asyncio.to_thread(join_weight_group, self.master_address, port, 0, world, self.group_name, 120.0),
-            *joins)
-        self._group, self._store = opened
+        try:  # hosted here, apart from this rank's own connection, so that it can be stopped
+            server = dist.TCPStore(self.master_address, self.master_port, is_master=True,
+                                   wait_for_workers=False, timeout=timeout, multi_tenant=False)
+        except Exception as exc:  # port taken, address not local
+            return {"(rank 0)": exc}
+        hosted = [server]
+        del server
 
+        def stop() -> None:
+            hosted.clear()  # the last reference: the store's server stops, its port is free
 
-def _free_port() -> int:
-    import socket
+        def rank0():
+            from torch.distributed import distributed_c10d as c10d
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+            try:
+                client = dist.TCPStore(self.master_address, port, is_master=False, timeout=timeout)
+                # the same helper (and store key layout) as join_weight_group on the cells
+                group, _ = c10d._new_process_group_helper(
+                    world, 0, [], dist.Backend("gloo"), dist.PrefixStore(self.group_name, client),
+                    group_name=self.group_name, timeout=timeout)
+                c10d._world.pg_group_ranks[group] = {i: i for i in range(world)}
+                return group
+            except BaseException:
+                order.append(0)
+                stop()
+                raise
+
+        async def join(rank: int, client):
+            try:
+                return await asyncio.wait_for(
+                    client.init_weights_update_group(self.master_address, port, rank, world, self.group_name),
+                    self.join_timeout_s + 10)
+            except BaseException:
+                order.append(rank)
+                await settle()
+                stop()  # the group cannot form: let every other rank fail now, not at its timeout
+                raise
+
+        async def settle() -> None:
+            """Gives the cells still joining up to 5 s to reach the store before it stops: a
+            cell that connects only after it stopped would retry until its own timeout."""
+            deadline = asyncio.get_running_loop().time() + min(5.0, self.join_timeout_s)
+            while hosted and asyncio.get_running_loop().time() < deadline:
+                try:  # each cell's rendezvous adds 1 to torch's "init/" key when it connects
+                    connected = await asyncio.to_thread(hosted[0].add, "init/", 0)
+                except Exception:
+                    return
+                if connected >= len(self.clients) - len([r for r in order if r > 0]):
+                    return
+                await asyncio.sleep(0.05)
+
+        port, order = hosted[0].port, []  # order: the ranks as they failed (the first is the cause)
+        opened, *joined = await asyncio.gather(
+            asyncio.to_thread(rank0), *(join(1 + i, c) for i, c in enumerate(self.clients.values())),
+            return_exceptions=True)
+        failed = {cell: exc for cell, exc in zip(self.clients, joined) if isinstance(exc, BaseException)}
+        if not failed and not isinstance(opened, BaseException):
+            self._group, self._store = opened, hosted[0]
+            return {}
+        stop()
+        if isinstance(opened, BaseException):
+            failed["(rank 0)"] = opened
+        else:
+            from services.engine.weights import leave_weight_group
+
+            leave_weight_group(opened)
+        await self._leave_cells([cell for cell in self.clients if cell not in failed])
+        names = ["(rank 0)", *self.clients]
+        return {names[r]: failed[names[r]] for r in order if names[r] in failed} | failed

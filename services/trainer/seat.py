@@ -168,6 +168,12 @@ class SatelliteSeat:
                     log.error("satellite %s: worker ended with %r", self.settings.cell, results[0])
                 log.info("satellite %s left training (%d micro-steps over %d joins)", self.settings.cell,
                          len(self.micro_steps_done), self.joins)
+            close = getattr(self.gradients, "close", None)  # the port's gradient snapshots (pinned memory)
+            if close is not None:
+                try:
+                    await close()
+                except Exception as exc:
+                    log.warning("satellite %s: releasing its gradient snapshots failed: %r", self.settings.cell, exc)
             if not self.keep_model:
                 self._free()
                 await asyncio.to_thread(gc.collect)

@@ -4,6 +4,8 @@ with the new version, by tensor and by disk."""
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 import torch
@@ -140,3 +142,110 @@ async def test_an_engine_that_refuses_updates_while_generating_is_paused_in_plac
         await client.aclose()
     finally:
         service.close()
+
+
+class _DownCell:
+    """A cell that cannot join (answers 503 at once)."""
+
+    def __init__(self):
+        self.joins, self.left = 0, 0
+
+    async def init_weights_update_group(self, *a, **k):
+        from services.engine.client import CellError
+
+        self.joins += 1
+        raise CellError(503, "cell is down")
+
+    async def destroy_weights_update_group(self, name):
+        self.left += 1
+        return {"success": True}
+
+
+class _WaitingCell(_DownCell):
+    """A cell that reaches the rendezvous store and waits there for the others (as a cell's
+    join does while one rank is missing); it fails only when the store goes away."""
+
+    async def init_weights_update_group(self, address, port, rank, world, name, backend="gloo"):
+        import datetime
+
+        import torch.distributed as dist
+
+        self.joins += 1
+
+        def wait() -> None:
+            store = dist.TCPStore(address, port, world, is_master=False, timeout=datetime.timedelta(seconds=60))
+            store.wait(["never-set"])
+
+        await asyncio.to_thread(wait)
+        return {"success": True}
+
+
+def _listening(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+async def test_a_cell_that_cannot_join_the_broadcast_group_publishes_to_nobody_at_once(caplog, monkeypatch):
+    """One cell down must not stop the core: nothing raises, no cell is published to, the
+    store's port is freed and every waiting rank released within moments (not at the
+    60 s timeout), and the next publication tries a fresh group."""
+    import logging
+    import time
+
+    import torch.distributed as dist
+
+    stores = []
+    real = dist.TCPStore
+
+    def recording(*a, **k):
+        store = real(*a, **k)
+        if k.get("is_master"):
+            stores.append(store.port)
+        return store
+
+    monkeypatch.setattr(dist, "TCPStore", recording)
+    down, waiting = _DownCell(), _WaitingCell()
+    publish = EnginePublisher({"cell-a": waiting, "cell-b": down}, mode="distributed", join_timeout_s=60.0)
+    weights = {"w": torch.ones(4)}
+    started = time.monotonic()
+    with caplog.at_level(logging.ERROR, logger="services.trainer.publish"):
+        assert await publish(3, weights) == []
+    assert time.monotonic() - started < 15
+    assert publish._group is None and publish._store is None
+    assert stores and not _listening(stores[0])
+    message = caplog.records[-1].getMessage()
+    assert "v3 published to no cell" in message and "cell-b: CellError('503" in message.split(";")[0]
+    assert await publish(4, weights) == []  # tries again with a new group, still without raising
+    assert down.joins == 2 and waiting.joins == 2 and len(stores) == 2
+    await publish.close()
+
+
+async def test_a_failed_broadcast_drops_the_group_for_the_next_publication(monkeypatch):
+    from services.engine import weights as engine_weights
+
+    class Joined(_DownCell):
+        async def update_weights_from_distributed(self, *a, **k):
+            return {"success": True}
+
+    def broken(group, tensor):
+        raise RuntimeError("gloo: connection closed by peer")
+
+    left = []
+    monkeypatch.setattr(engine_weights, "broadcast_rank0", broken)
+    monkeypatch.setattr(engine_weights, "leave_weight_group", left.append)
+    cell = Joined()
+    publish = EnginePublisher({"cell-a": cell}, mode="distributed")
+    opened = []
+
+    async def open_group():
+        opened.append(1)
+        publish._group, publish._store = "group", "store"
+        return {}
+
+    monkeypatch.setattr(publish, "_open_group", open_group)
+    assert await publish(1, {"w": torch.ones(2)}) == []
+    assert publish._group is None and left == ["group"] and cell.left == 1
+    assert await publish(2, {"w": torch.ones(2)}) == []
+    assert len(opened) == 2  # a fresh group each time, never the broken one

@@ -473,3 +473,20 @@ async def test_in_memory_gradient_keys_never_name_another_processs_gradient():
     with pytest.raises(LookupError, match="gone"):
         await after.get(old)  # the core recomputes that micro-step instead
     assert torch.equal((await after.get(new))["g"], torch.ones(2))
+
+
+async def test_a_leaving_satellite_releases_its_port_gradient_snapshots():
+    """The port keeps a satellite's newest gradients registered; leaving frees them."""
+    from services.trainer.seat import SatelliteSeat
+    from services.trainer.worker import WorkerSettings
+
+    class Port:
+        closed = 0
+
+        async def close(self):
+            Port.closed += 1
+
+    seat = SatelliteSeat(WorkerSettings(RUN, "cell-8", CONFIG), lambda: None, object(), object(), Port())
+    await seat.leave()
+    await seat.close()
+    assert Port.closed == 2

@@ -117,3 +117,38 @@ async def test_nothing_cached_means_reprefill_without_http():
     a = ScriptedCell("A", offer=_offer([]))
     result = await migrate_session(a, ScriptedCell("B"), [1, 2], session_id="s")
     assert result.kv == "reprefilled" and "export" not in a.calls
+
+
+def test_port_transfer_close_unregisters_every_snapshot(monkeypatch):
+    """A satellite's gradient snapshots (pinned under RDMA) stay registered until close;
+    close drops them all, once."""
+    import asyncio
+
+    from libs.common.transfer import weights as w
+
+    registered, made = set(), iter(range(100))
+
+    def publish(tensors, *, version=None, agent=None, checksums=False):
+        name = f"snap-{next(made)}"
+        registered.add(name)
+        return WeightsDescriptor.from_json({**_desc_json(), "region": name})
+
+    monkeypatch.setattr(w, "publish_weights", publish)
+    monkeypatch.setattr(w, "unpublish_weights", lambda d, agent=None: registered.remove(d.region))
+    port = w.PortTransfer(object(), keep=4)
+
+    async def go():
+        for i in range(6):
+            await port.put({"g": torch.full((4,), float(i))})
+        assert registered == {"snap-2", "snap-3", "snap-4", "snap-5"}  # the newest keep
+        await port.close()
+        assert registered == set()
+        await port.close()  # idempotent
+
+    asyncio.run(go())
+
+
+
+def _desc_json():
+    peer = PeerDescriptor("mooncake", "127.0.0.1:5", (RegionInfo("kv", 16, 1234, 4, None),), {})
+    return WeightsDescriptor(peer, "kv", (TensorSpec("g", "float32", (4,), 0, 16),), None).to_json()

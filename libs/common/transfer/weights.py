@@ -134,7 +134,9 @@ class PortTransfer:
     ``await put(tensors) -> {"kind": "port", ...}`` publishes a snapshot, ``await get(desc)``
     pulls it. The publisher keeps its newest ``keep`` snapshots registered and unpublishes
     older ones (a reader must pull before ``keep`` newer puts; weights: the last versions,
-    gradients: the micro-steps not yet reduced)."""
+    gradients: the micro-steps not yet reduced). :meth:`close` unregisters every snapshot
+    still held (a satellite's seat calls it when it leaves training); a reader is never told
+    here when it has pulled one, so until then the newest ``keep`` stay registered."""
 
     kind = "port"
 
@@ -156,3 +158,17 @@ class PortTransfer:
         import asyncio
 
         return await asyncio.to_thread(pull_weights, WeightsDescriptor.from_json(descriptor), agent=self.agent)
+
+    async def close(self) -> None:
+        """Unregisters and drops every snapshot still published (idempotent; ``put`` works
+        again afterwards). A descriptor handed out before fails to pull from then on."""
+        import asyncio
+
+        while self._published:
+            desc = self._published.pop(0)
+            try:
+                await asyncio.to_thread(unpublish_weights, desc, agent=self.agent)
+            except Exception as exc:  # already gone, or the agent closed: nothing left to free
+                import logging
+
+                logging.getLogger(__name__).debug("unpublishing %s: %r", desc.region, exc)
