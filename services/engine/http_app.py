@@ -161,6 +161,10 @@ def _weight_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin) 
     @app.post("/begin_weight_update", dependencies=[admin])
     async def begin_weight_update(request: Request) -> dict:
         await _json_body(request)
+        while weights.window_busy():  # one window at a time: wait for the open one to end
+            await asyncio.sleep(0.02)
+        if weights.staged is not None:  # open, and nothing heard of it for WINDOW_IDLE_S
+            weights.drop_window("abandoned: no update or end within its idle time; a new window replaced it")
         weights.begin()
         return {"success": True, "message": "weight update window open"}
 

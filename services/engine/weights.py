@@ -22,6 +22,12 @@ Rules that keep answers correct:
   refused (staging writes nothing); a refused ``end`` closes the window and drops what was
   staged. An ``end`` while the weights are released is refused too, but keeps the window:
   resume memory, then end again.
+- One window at a time: a ``begin_weight_update`` while another window is open waits for
+  that one to end (the cell agent's catch-up push and the trainer's publication may meet on
+  a cell; each window's updates then stay its own, and each end applies and labels only
+  what its owner sent). A window with no update running and nothing heard of it for
+  ``WINDOW_IDLE_S`` is abandoned (its owner died between begin and end): the waiting begin
+  drops it (that owner's end is then refused) and opens its own.
 - A window never stays open behind a failure (so a ``success`` answer never means "staged
   in a window nobody will end"): a tensor, distributed or pull update that fails while a
   window is open drops the window and what it staged (:meth:`WeightManager.guard`), and
@@ -42,6 +48,7 @@ import io
 import logging
 import pickle
 import tempfile
+import time
 from concurrent.futures import Future
 from contextlib import contextmanager
 from pathlib import Path
@@ -55,6 +62,9 @@ if TYPE_CHECKING:
     from .engine import Engine
 
 log = logging.getLogger(__name__)
+# a window whose owner has run no update and said nothing for this long is abandoned: a
+# begin waiting behind it drops it
+WINDOW_IDLE_S = 60.0
 ABORTED_FOR_UPDATE = "aborted for a weight update"
 
 
@@ -123,6 +133,8 @@ class WeightManager:
         self._parked: Path | None = None
         self._staged_version: str | None = None
         self._dropped: str | None = None  # why the last window closed without being applied
+        self._touched = 0.0  # when the open window's owner was last heard from (begin, an update)
+        self._updating = 0  # updates running inside guard()
 
     # -- checks ----------------------------------------------------------------------
     def resolve(self, name: str) -> str:
@@ -151,6 +163,14 @@ class WeightManager:
     # -- applying ----------------------------------------------------------------------
     def begin(self) -> None:
         self.staged, self._staged_version, self._dropped = {}, None, None
+        self._touched = time.monotonic()
+
+    def window_busy(self) -> bool:
+        """A window is open and in use: an update inside it runs, or its owner was heard from
+        (begin, an update) less than ``WINDOW_IDLE_S`` ago. A new begin waits while so."""
+        if self.staged is None:
+            return False
+        return self._updating > 0 or time.monotonic() - self._touched < WINDOW_IDLE_S
 
     def drop_window(self, reason: str) -> bool:
         """Closes an open window without applying what it staged; False when none was open."""
@@ -165,11 +185,15 @@ class WeightManager:
         """Around one tensor, distributed or pull update: if it fails while a window is open,
         the window is dropped (its owner's ``end`` is then refused), so later updates that
         open no window of their own apply at once instead of being staged for good."""
+        self._updating += 1
         try:
             yield
         except BaseException as exc:
             self.drop_window(f"an update inside it failed: {type(exc).__name__}: {exc}")
             raise
+        finally:
+            self._updating -= 1
+            self._touched = time.monotonic()
 
     def end(self, weight_version: str | None, abort: bool = False) -> Future:
         """Applies the open window (a future of the apply); ``abort`` drops it instead (no

@@ -260,7 +260,9 @@ class EnginePublisher:
 
         async def settle() -> None:
             """Gives the cells still joining up to 5 s to reach the store before it stops: a
-            cell that connects only after it stopped would retry until its own timeout."""
+            cell that connects only after it stopped would retry until its own timeout.
+            (torch 2.13's rendezvous does not count connections under ``init/``, so this
+            usually waits the whole bound.)"""
             deadline = asyncio.get_running_loop().time() + min(5.0, self.join_timeout_s)
             while hosted and asyncio.get_running_loop().time() < deadline:
                 try:  # each cell's rendezvous adds 1 to torch's "init/" key when it connects
@@ -286,6 +288,9 @@ class EnginePublisher:
             from services.engine.weights import leave_weight_group
 
             leave_weight_group(opened)
-        await self._leave_cells([cell for cell in self.clients if cell not in failed])
+        # every cell, the failed ones too: a cell that holds a group of ours from before (a
+        # core that restarted, a join that timed out here but succeeded there) refuses every
+        # join until it leaves; a cell with no group just says so
+        await self._leave_cells(list(self.clients))
         names = ["(rank 0)", *self.clients]
         return {names[r]: failed[names[r]] for r in order if names[r] in failed} | failed

@@ -371,3 +371,46 @@ async def test_an_update_refused_inside_a_window_drops_it_and_a_later_end_is_ref
     assert torch.equal(_params(fresh_service)[Q0], new) and (await cell.model_info())["weight_version"] == "6"
     # an abort with no window open is harmless
     assert (await cell._post("/end_weight_update", {"abort": True}))["success"]
+
+
+async def test_two_windows_on_one_cell_are_taken_one_after_the_other(cell, fresh_service):
+    """The cell agent's catch-up push and the trainer's publication meet on a cell: the
+    second begin waits until the first window ends, so each end applies and labels only
+    what its own owner sent (one engine-wide window mixed them: v5's tensors went out
+    labelled v4, and v5's end was refused)."""
+    original = _params(fresh_service)
+    a_embed, b_q0 = _perturb(original[EMBED]), _perturb(original[Q0])
+    await cell._post("/begin_weight_update", {})  # owner A
+    b_begin = asyncio.create_task(cell._post("/begin_weight_update", {}))  # owner B
+    await asyncio.sleep(0.2)
+    assert not b_begin.done()  # waits for A's window
+    await cell.update_weights_from_tensor(serialize_named_tensors([(EMBED, a_embed)]), weight_version="4")
+    await cell._post("/end_weight_update", {"weight_version": "4"})
+    await asyncio.wait_for(b_begin, 5)
+    assert torch.equal(_params(fresh_service)[EMBED], a_embed) and torch.equal(_params(fresh_service)[Q0],
+                                                                               original[Q0])
+    assert (await cell.model_info())["weight_version"] == "4"
+    await cell.update_weights_from_tensor(serialize_named_tensors([(Q0, b_q0)]), weight_version="5")
+    await cell._post("/end_weight_update", {"weight_version": "5"})
+    assert torch.equal(_params(fresh_service)[Q0], b_q0) and (await cell.model_info())["weight_version"] == "5"
+
+
+async def test_an_abandoned_window_is_replaced_by_the_next_begin(cell, fresh_service, monkeypatch):
+    """An owner that died between begin and end: after WINDOW_IDLE_S with nothing heard,
+    a new begin drops its window (nothing of it applied) and opens its own; the dead
+    owner's end is refused."""
+    import services.engine.weights as weights_module
+
+    monkeypatch.setattr(weights_module, "WINDOW_IDLE_S", 0.3)
+    original = _params(fresh_service)
+    await cell._post("/begin_weight_update", {})
+    await cell.update_weights_from_tensor(serialize_named_tensors([(EMBED, _perturb(original[EMBED]))]))
+    await asyncio.wait_for(cell._post("/begin_weight_update", {}), 5)  # after 0.3 s of silence
+    new = _perturb(original[Q0])
+    await cell.update_weights_from_tensor(serialize_named_tensors([(Q0, new)]), weight_version="7")
+    await cell._post("/end_weight_update", {"weight_version": "7"})
+    params = _params(fresh_service)
+    assert torch.equal(params[Q0], new) and torch.equal(params[EMBED], original[EMBED])
+    with pytest.raises(CellError) as err:
+        await cell._post("/end_weight_update", {"weight_version": "6"})
+    assert err.value.status == 400
