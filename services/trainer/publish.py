@@ -259,19 +259,12 @@ class EnginePublisher:
                 raise
 
         async def settle() -> None:
-            """Gives the cells still joining up to 5 s to reach the store before it stops: a
-            cell that connects only after it stopped would retry until its own timeout.
-            (torch 2.13's rendezvous does not count connections under ``init/``, so this
-            usually waits the whole bound.)"""
-            deadline = asyncio.get_running_loop().time() + min(5.0, self.join_timeout_s)
-            while hosted and asyncio.get_running_loop().time() < deadline:
-                try:  # each cell's rendezvous adds 1 to torch's "init/" key when it connects
-                    connected = await asyncio.to_thread(hosted[0].add, "init/", 0)
-                except Exception:
-                    return
-                if connected >= len(self.clients) - len([r for r in order if r > 0]):
-                    return
-                await asyncio.sleep(0.05)
+            """Gives the cells still joining a moment (at most 5 s) to reach the store before
+            it stops: a cell that connects only after it stopped would retry until its own
+            timeout. torch's rendezvous leaves no count of connected ranks to wait on, so
+            this is a plain bounded wait."""
+            if hosted:
+                await asyncio.sleep(min(5.0, self.join_timeout_s))
 
         port, order = hosted[0].port, []  # order: the ranks as they failed (the first is the cause)
         opened, *joined = await asyncio.gather(
