@@ -4,7 +4,10 @@ Calls may arrive out of order (a call before the parent it references: buffered 
 the parent arrives), twice (same call id and content: ignored; same id, other content:
 rejected), or broken (a prefix longer than the parent, logprobs that do not match the
 output, another rollout's call: rejected with a reason). The tree itself is never left
-half-changed: a call is checked before any position is written.
+half-changed: a call is checked before any position is written. A call whose output
+cannot be trained on (behaviour logprobs that are no log-probabilities, no input) is
+placed as context only and listed in ``untrained``: the calls that continue it are not
+lost with it.
 
 Sealing classifies every call, lists the branches, selects at most ``budget`` of them
 and packs them. Calls still waiting for an unknown parent at seal time are rejected.
@@ -12,6 +15,7 @@ and packs them. Calls still waiting for an unknown parent at seal time are rejec
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -20,6 +24,8 @@ from .packing import PackedTree, PackingConfig, pack_branches
 from .records import CallRecord
 from .sampling import Branch, SamplingConfig, list_branches, select_branches
 from .tree import TrajectoryTree, TreeError
+
+log = logging.getLogger(__name__)
 
 Outcome = Literal["applied", "buffered", "duplicate", "rejected"]
 
@@ -59,6 +65,7 @@ class SealedTree:
     selected: list[Branch]
     packed: list[PackedTree]
     rejected: tuple[CallOutcome, ...] = ()
+    untrained: tuple[CallOutcome, ...] = ()  # placed, its output context only (the reason)
 
     @property
     def forks(self) -> list[CallLabel]:
@@ -73,6 +80,7 @@ class RolloutTree:
         self._waiting: dict[str, list[CallRecord]] = {}  # parent call id -> calls
         self._waiting_ids: dict[str, CallRecord] = {}
         self.rejected: list[CallOutcome] = []
+        self.untrained: list[CallOutcome] = []
 
     def add(self, call: CallRecord) -> CallOutcome:
         known = self._known(call.call_id)
@@ -103,9 +111,13 @@ class RolloutTree:
 
     def _apply(self, call: CallRecord) -> str:
         try:
-            self.tree.add_call(call)
+            placement = self.tree.add_call(call)
         except TreeError as exc:
             return str(exc)
+        if placement.untrained:
+            self.untrained.append(CallOutcome(call.call_id, "applied", f"context only: {placement.untrained}"))
+            log.warning("rollout %s: call %s is context only, never trained: %s",
+                        self.rollout_id, call.call_id, placement.untrained)
         return ""
 
     def _release(self, call_id: str) -> tuple[list[str], list[CallOutcome]]:
@@ -137,4 +149,4 @@ class RolloutTree:
         selected = select_branches(branches, self.config.sampling, self.tree)
         packed = pack_branches(self.tree, selected, self.config.packing)
         return SealedTree(self.rollout_id, self.tree.digest(), labels, branches, selected,
-                          packed, rejected)
+                          packed, rejected, tuple(self.untrained))

@@ -52,6 +52,8 @@ async def show_rollout(bus: EventBus, blobs: BlobStore, config: LedgerConfig, ro
                        show_tokens=show_tokens, score=facts.get("score"))
     for r in sealed.rejected:
         text += f"\nrejected {r.call_id}: {r.reason}"
+    for r in sealed.untrained:
+        text += f"\nuntrained {r.call_id}: {r.reason}"
     return text
 
 

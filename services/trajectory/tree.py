@@ -40,9 +40,8 @@ LOGPROB_TOLERANCE = 1e-4
 
 
 class TreeError(ValueError):
-    """A call that cannot be placed in the tree (its reference is unknown or too long) or
-    must not be (a behaviour logprob that is not a finite log-probability, no input
-    tokens): the whole call is rejected with the reason."""
+    """A call that cannot be placed in the tree (its reference is unknown or too long):
+    the whole call is rejected with the reason."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +52,25 @@ class Placement:
     graft_depth: int  # positions below this depth already existed
     new_positions: int
     sibling_call: int | None  # the call whose path this one left at graft_depth, if any
+    # why the call's output is context only (never trained), else "": its behaviour
+    # logprobs are no log-probabilities, or it has no input to predict the output from
+    untrained: str = ""
+
+
+def untrainable_reason(call: CallRecord) -> str:
+    """Why a call's output cannot be trained on ("" when it can). The trainer applies the
+    same logprob test to a whole packed sample (services/trainer/batch.py
+    validate_sample), where one bad value would reject the execution's every branch."""
+    if len(call.output_logprobs) != len(call.output_ids):
+        return f"{len(call.output_logprobs)} logprobs for {len(call.output_ids)} output tokens"
+    if not 0.0 < call.logprob_temperature < float("inf"):
+        return f"logprob temperature {call.logprob_temperature} is not > 0"
+    for j, lp in enumerate(call.output_logprobs):
+        if not (math.isfinite(lp) and lp <= LOGPROB_TOLERANCE):
+            return f"output logprob {j} = {lp} is not a log-probability"
+    if call.n_input_tokens == 0:
+        return "no input tokens (nothing to predict its output from)"
+    return ""
 
 
 class TrajectoryTree:
@@ -87,21 +105,13 @@ class TrajectoryTree:
         if call.call_id in self.index:
             raise TreeError(f"call {call.call_id} is already in the tree")
         cursor = self._reference_cursor(call)
-        if len(call.output_logprobs) != len(call.output_ids):
-            raise TreeError(f"call {call.call_id}: {len(call.output_logprobs)} logprobs for "
-                            f"{len(call.output_ids)} output tokens")
-        if not 0.0 < call.logprob_temperature < float("inf"):
-            raise TreeError(f"call {call.call_id}: logprob temperature {call.logprob_temperature} is not > 0")
-        for j, lp in enumerate(call.output_logprobs):
-            # the trainer's test (services/trainer/batch.py validate_sample): one bad value
-            # there rejects the execution's whole packed sample, here only this call
-            if not (math.isfinite(lp) and lp <= LOGPROB_TOLERANCE):
-                raise TreeError(f"call {call.call_id}: output logprob {j} = {lp} is not a log-probability")
-        if call.n_input_tokens == 0:
-            raise TreeError(f"call {call.call_id}: no input tokens (nothing to predict its output from)")
+        untrained = untrainable_reason(call)
         c = len(self.calls)
         tail = array("i", call.new_input_ids)
-        out_from = len(tail)
+        # An untrainable call is still placed, its output as context: the calls that
+        # continue it (its children, the rest of the agent's line) keep their place and
+        # are trained; only its own output positions are not.
+        out_from = len(tail) + (len(call.output_ids) if untrained else 0)
         tail.extend(array("i", call.output_ids))
         versions = call.output_versions()
         node, k, i = self._match(cursor, tail, out_from, call, versions, c)
@@ -120,7 +130,7 @@ class TrajectoryTree:
         self._n_input.append(call.n_input_tokens)
         self._n_total.append(call.n_tokens)
         self._ending_at.setdefault(end, []).append(c)
-        placement = Placement(c, graft_depth, len(tail) - i, sibling)
+        placement = Placement(c, graft_depth, len(tail) - i, sibling, untrained)
         self.placements.append(placement)
         return placement
 
@@ -258,16 +268,17 @@ class TrajectoryTree:
             self._children[node][tail[i]] = child
             self._starts.append(at)  # arena end: stays sorted
             self._node_at[at] = child
-        n_in = max(0, out_from - i)
+        n_in = min(n_new, max(0, out_from - i))
+        n_out = n_new - n_in
         o0 = max(0, i - out_from)
         self.tokens.extend(tail[i:])
-        self.generated.extend(bytes(n_in) + b"\x01" * (n_new - n_in))
+        self.generated.extend(bytes(n_in) + b"\x01" * n_out)
         self.logprobs.extend(array("f", bytes(4 * n_in)))
-        self.logprobs.extend(array("f", call.output_logprobs[o0:]))
+        self.logprobs.extend(array("f", call.output_logprobs[o0 : o0 + n_out]))
         self.temperatures.extend(array("f", [1.0]) * n_in)
-        self.temperatures.extend(array("f", [call.logprob_temperature]) * (n_new - n_in))
+        self.temperatures.extend(array("f", [call.logprob_temperature]) * n_out)
         self.versions.extend(array("i", [-1]) * n_in)
-        self.versions.extend(versions[o0:])
+        self.versions.extend(versions[o0 : o0 + n_out])
         self.origin.extend(array("i", [c]) * n_new)
 
     # ------------------------------------------------------------------ queries

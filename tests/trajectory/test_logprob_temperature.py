@@ -82,10 +82,11 @@ def test_the_tree_digest_counts_temperatures_only_when_some_are_not_1():
     assert not build(ones).tempered
 
 
-def test_a_call_with_a_bad_temperature_is_rejected_before_it_changes_the_tree():
+def test_a_call_with_a_bad_temperature_is_context_only():
     t = RolloutTree("r1")
-    assert t.add(call("a", SYSTEM, [20], logprob_temperature=0.0)).outcome == "rejected"
-    assert t.tree.n_stored_tokens == 0
+    assert t.add(call("a", SYSTEM, [20], logprob_temperature=0.0)).outcome == "applied"
+    assert [u.call_id for u in t.untrained] == ["a"] and "temperature 0.0" in t.untrained[0].reason
+    assert not any(t.tree.generated) and set(t.tree.temperatures) == {1.0}
 
 
 def _pack(calls, *ends):

@@ -45,7 +45,6 @@ def test_duplicates_are_ignored_and_conflicts_rejected():
 
 @pytest.mark.parametrize("bad, reason", [
     (call("x", [1], [20], parent="a", prefix=50), "exceeds"),
-    (call("x", [1], [20, 21], logprobs=[-1.0]), "logprobs"),
     (call("x", [1], [20], rollout="r9"), "belongs to rollout r9"),
 ])
 def test_broken_calls_are_rejected_with_a_reason(bad, reason):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -117,15 +118,7 @@ def _shuffled_topological(calls, rng):
     (call("x", [1], [20], parent="nobody", prefix=1), "unknown parent"),
     (call("x", [1], [20], parent="a", prefix=99), "exceeds"),
     (call("x", [1], [20], prefix=2), "without a parent"),
-    (call("x", [1], [20, 21], logprobs=[-0.1]), "logprobs"),
     (call("a", [1], [20]), "already"),
-    # what the trainer's validate_sample calls "not a log-probability" (> 1e-4)
-    (call("x", [1], [20, 21], logprobs=[-0.1, float("nan")]), "not a log-probability"),
-    (call("x", [1], [20, 21], logprobs=[float("-inf"), -0.1]), "not a log-probability"),
-    (call("x", [1], [20], logprobs=[float("inf")]), "not a log-probability"),
-    (call("x", [1], [20], logprobs=[0.01]), "not a log-probability"),
-    (call("x", [], [20]), "no input tokens"),
-    (call("x", [], [20], parent="a", prefix=0), "no input tokens"),
 ])
 def test_bad_calls_are_refused_and_leave_the_tree_untouched(bad, reason):
     tree = build([call("a", [1, 2, 5], [20, 21])])
@@ -133,6 +126,35 @@ def test_bad_calls_are_refused_and_leave_the_tree_untouched(bad, reason):
     with pytest.raises(TreeError, match=reason):
         tree.add_call(bad)
     assert (tree.digest(), tree.n_stored_tokens, len(tree.calls)) == before
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (call("x", [1], [20, 21], logprobs=[-0.1]), "1 logprobs for 2 output tokens"),
+    # what the trainer's validate_sample calls "not a log-probability" (> 1e-4)
+    (call("x", [1], [20, 21], logprobs=[-0.1, float("nan")]), "not a log-probability"),
+    (call("x", [1], [20, 21], logprobs=[float("-inf"), -0.1]), "not a log-probability"),
+    (call("x", [1], [20], logprobs=[float("inf")]), "not a log-probability"),
+    (call("x", [1], [20], logprobs=[0.01]), "not a log-probability"),
+    (call("x", [1], [20], logprob_temperature=0.0), "temperature"),
+    (call("x", [], [20]), "no input tokens"),
+    (call("x", [], [20], parent="a", prefix=0), "no input tokens"),
+    (call("x", [3], [20], parent="a", prefix=4, logprobs=[float("nan")]), "not a log-probability"),
+])
+def test_an_untrainable_call_is_placed_as_context_only(bad, reason):
+    """Its tokens are in the tree (the calls continuing it can be placed), none of its
+    output positions is marked generated, and the reason is on its placement."""
+    a = call("a", [1, 2, 5], [20, 21])
+    tree = build([a])
+    generated_before = bytes(tree.generated)
+    placement = tree.add_call(bad)
+    assert reason in placement.untrained
+    assert list(tree.sequence(tree.index["x"])) == full_sequences([a, bad])["x"]
+    # nothing the call wrote is generated; the positions it shares with "a" keep a's marks
+    assert bytes(tree.generated[: len(generated_before)]) == generated_before
+    assert not any(tree.generated[len(generated_before):])
+    assert all(math.isfinite(lp) and lp <= 0 for lp in tree.logprobs)
+    child = tree.add_call(call("y", [7], [30], parent="x", prefix=bad.n_tokens))
+    assert not child.untrained and tree.generated[tree.call_end(tree.index["y"])]
 
 
 def test_building_costs_new_tokens_not_context():
@@ -163,10 +185,10 @@ def test_a_logprob_just_above_zero_is_float_rounding_and_kept():
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("-inf"), 0.5])
-def test_a_bad_logprob_rejects_the_call_not_the_executions_sample(bad):
+def test_a_bad_logprob_untrains_the_call_not_the_execution(bad):
     """The trainer rejects a whole packed sample with one bad behaviour logprob: the
-    rollout tree rejects that call (with the reason) and the rest packs into a sample the
-    trainer accepts."""
+    rollout tree keeps that call as context only (with the reason), and the calls after it
+    on the agent's line, which arrive buffered before it, are still placed and trained."""
     from services.trainer.batch import validate_sample
     from services.trajectory.rollout_tree import RolloutTree, TreeConfig
 
@@ -175,11 +197,17 @@ def test_a_bad_logprob_rejects_the_call_not_the_executions_sample(bad):
     p = SYSTEM + TASK
     tree = RolloutTree("r1", TreeConfig())
     assert tree.add(call("c0", p, [20, 21, 22, 2])).outcome == "applied"
+    n1 = len(p) + 4 + 2 + 3
+    assert tree.add(call("c2", [3, 91], [25, 26, 2], parent="c1", prefix=n1)).outcome == "buffered"
     out = tree.add(call("c1", [3, 90], [23, 24, 2], parent="c0", prefix=len(p) + 4,
                         logprobs=[-0.1, bad, -0.2]))
-    assert out.outcome == "rejected" and "not a log-probability" in out.reason
+    assert out.outcome == "applied" and out.released == ("c2",)
     sealed = tree.seal()
-    assert [r.call_id for r in sealed.rejected] == ["c1"]
+    assert sealed.rejected == ()
+    assert [(r.call_id, "not a log-probability" in r.reason) for r in sealed.untrained] == [("c1", True)]
     (packed,) = sealed.packed
-    assert packed.n_trained_tokens > 0
+    # c0's 4 and c2's 3 output tokens are trained, c1's 3 are context
+    assert packed.n_trained_tokens == 7
+    trained = [t for t, m in zip(packed.token_ids, packed.loss_mask) if m]
+    assert trained == [20, 21, 22, 2, 25, 26, 2]
     validate_sample(packed, advantage=1.0, vocab_size=512)
