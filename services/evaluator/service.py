@@ -454,10 +454,11 @@ class Evaluator:
             if await self._already_scored(event):
                 return
             try:
-                # only the first outcome on the rollout's subject is stored: a copy of the
+                # only the rollout's first outcome, of either kind, is stored: a copy of the
                 # end stored twice (a retry past the bus's de-duplication window) scored by
                 # another replica at the same time loses here, not in the log
-                await self.bus.publish(outcome, expect_last_subject_seq=0)  # ack (by returning) once stored
+                await self.bus.publish(outcome, expect_last_subject_seq=0,  # ack (by returning) once stored
+                                       expect_subject=_outcomes_subject(event))
             except ConcurrencyConflict:
                 # an outcome is already stored: another replica's, or ours whose ack was lost
                 log.info("evaluator: rollout %s already has an outcome stored; this one (%s) dropped",
@@ -474,8 +475,8 @@ class Evaluator:
         """An outcome already in the log (a redelivery after a crash, or after the ack wait
         ran out once the bus's de-duplication window had passed, or a second stored copy of
         the end taken by another replica): don't score it twice. Checked before scoring and
-        again just before publishing; the publish itself expects an empty subject, so of two
-        outcomes of one kind only the first is stored."""
+        again just before publishing; the publish itself expects no outcome of either kind on
+        the rollout (nats-server 2.11 or newer; an older one checks the outcome's own kind)."""
         token = subject_token(ended.rollout_id)
         for kind in (RolloutScored, RolloutScoringFailed):
             subject = f"gyre.{ended.run_id}.{Context.SCORES.value}.{kind.TYPE}.{token}"
@@ -548,3 +549,9 @@ def _bad_names_note(skipped: tuple[str, ...], shown: int = 5) -> str:
 def _bound(memo: OrderedDict, limit: int = 100_000) -> None:
     while len(memo) > limit:
         memo.popitem(last=False)
+
+
+def _outcomes_subject(ended: RolloutEnded) -> str:
+    """Both kinds of a rollout's outcome (``RolloutScored``, ``RolloutScoringFailed``): the
+    scores context holds only these, keyed by rollout."""
+    return f"gyre.{ended.run_id}.{Context.SCORES.value}.*.{subject_token(ended.rollout_id)}"

@@ -16,7 +16,7 @@ import pytest
 
 from libs.common.bus.jetstream import JetStreamBus
 from libs.common.bus.port import Delivery
-from libs.common.events import Context, RolloutFinished, RolloutScored, RolloutStarted
+from libs.common.events import Context, RolloutFinished, RolloutScored, RolloutScoringFailed, RolloutStarted
 from services.evaluator.core.scoring import outcome_event_id
 from services.evaluator.service import Evaluator
 from services.evaluator.settings import EvaluatorSettings
@@ -102,6 +102,28 @@ async def test_an_outcome_stored_by_another_replica_between_check_and_publish_wi
     assert [s.score for s in await stored_scores(bus)] == [1.0]
     assert b.counts["scored"] == 0
     assert "already has an outcome stored" in caplog.text
+
+
+async def test_a_scored_and_a_failed_outcome_of_one_rollout_are_not_both_stored(short_window_bus, tmp_path):
+    """The two kinds of outcome live on two subjects; the publish expects both empty."""
+    bus = short_window_bus
+    copy1, copy2 = await store_end_twice(bus)
+    a, b = replica(bus, tmp_path, "a", 1.0), replica(bus, tmp_path, "b", 0.0)
+
+    async def fails(ended, *, may_retry=False):
+        return RolloutScoringFailed(**ended.caused(event_id=outcome_event_id(ended), rollout_id=ended.rollout_id,
+                                                   reason="judge refused"))
+
+    a.evaluate = fails
+    await a.handle(copy1)
+
+    async def not_yet(_ended):  # b checked before a's outcome was stored
+        return False
+
+    b._already_scored = not_yet
+    await b.handle(copy2)
+    assert [type(d.event).__name__ async for d in bus.read(Context.SCORES)] == ["RolloutScoringFailed"]
+    assert (a.counts["failed"], b.counts["scored"]) == (1, 0)
 
 
 class AckLostOnce:

@@ -263,6 +263,29 @@ async def test_optimistic_append_on_a_subject(bus) -> None:
     assert await bus.publish(started(2), expect_last_subject_seq=0) == 3  # another subject counts on its own
 
 
+async def test_optimistic_append_across_the_subjects_of_one_key(bus) -> None:
+    """``expect_subject``: the expectation is checked on a wildcard of several event types
+    (a rollout's scored and scoring-failed outcomes), not only the event's own subject."""
+    from libs.common.bus.port import ConcurrencyConflict
+    from libs.common.events import RolloutScored, RolloutScoringFailed
+
+    def outcome(kind, rollout, eid, **kw):
+        return kind(run_id="r", rollout_id=rollout, event_id=eid, **kw)
+
+    both = "gyre.r.scores.*.{}"
+    failed = outcome(RolloutScoringFailed, "a", "f-a", reason="judge down")
+    seq = await bus.publish(failed, expect_last_subject_seq=0, expect_subject=both.format("a"))
+    with pytest.raises(ConcurrencyConflict):
+        await bus.publish(outcome(RolloutScored, "a", "s-a", score=1.0), expect_last_subject_seq=0,
+                          expect_subject=both.format("a"))
+    # another rollout's key is free; the expectation holds on the newest of either kind
+    await bus.publish(outcome(RolloutScored, "b", "s-b", score=0.5), expect_last_subject_seq=0,
+                      expect_subject=both.format("b"))
+    await bus.publish(outcome(RolloutScored, "a", "s-a2", score=1.0), expect_last_subject_seq=seq,
+                      expect_subject=both.format("a"))
+    assert [d.event.event_id async for d in bus.read(Context.SCORES)] == ["f-a", "s-b", "s-a2"]
+
+
 async def test_the_cli_tools_leave_deployed_streams_as_the_services_made_them(nats_server, monkeypatch) -> None:
     """A service bus (7-day max age) made the streams; a tool's connection (tail, export,
     replay) must not rewrite them to its own defaults."""

@@ -185,10 +185,13 @@ class JetStreamBus:
 
     # -- publishing ------------------------------------------------------------
 
-    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None) -> int:
+    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None,
+                      expect_subject: str | None = None) -> int:
         headers = headers_for(event)
         if expect_last_subject_seq is not None:
             headers["Nats-Expected-Last-Subject-Sequence"] = str(expect_last_subject_seq)
+            if expect_subject is not None:
+                headers["Nats-Expected-Last-Subject-Sequence-Subject"] = expect_subject
         try:
             ack = await self.js.publish(event.subject, event.to_json(), headers=headers, timeout=10)
         except BadRequestError as exc:

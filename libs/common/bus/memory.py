@@ -57,9 +57,10 @@ class InMemoryBus:
     _positions: dict[str, int] = field(default_factory=dict)
     _changed: asyncio.Event = field(default_factory=asyncio.Event)
 
-    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None) -> int:
+    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None,
+                      expect_subject: str | None = None) -> int:
         if expect_last_subject_seq is not None and event.event_id not in self._ids:
-            last = await self.last_on_subject(event.CONTEXT, event.subject)
+            last = await self.last_on_subject(event.CONTEXT, expect_subject or event.subject)
             if (last.seq if last else 0) != expect_last_subject_seq:
                 raise ConcurrencyConflict(f"{event.subject}: newer than {expect_last_subject_seq}")
         return self.append(event.CONTEXT.stream, event.subject, event.to_json(), event.event_id, event.time)
@@ -143,7 +144,7 @@ class InMemoryBus:
 
     async def last_on_subject(self, context: Context, subject: str) -> RawMessage | None:
         for item in reversed(self.streams.get(context.stream, [])):
-            if item.subject == subject:
+            if subject_matches(subject, item.subject):
                 return RawMessage(context.stream, item.seq, item.subject, item.data)
         return None
 

@@ -97,11 +97,16 @@ class ConsumerConfig:
 
 @runtime_checkable
 class EventBus(Protocol):
-    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None) -> int:
+    async def publish(self, event: Event, *, expect_last_subject_seq: int | None = None,
+                      expect_subject: str | None = None) -> int:
         """Append one event; returns its stream sequence once the server has stored it.
 
         With ``expect_last_subject_seq`` the append happens only if the newest message on
-        the event's subject has that sequence (0: none); else ``ConcurrencyConflict``."""
+        the event's subject has that sequence (0: none); else ``ConcurrencyConflict``.
+        ``expect_subject`` (wildcards allowed) is where that newest message is looked for
+        instead of the event's own subject: several event types of one key under one
+        expectation. JetStream honours it from nats-server 2.11; an older server checks
+        the event's own subject."""
 
     async def publish_many(self, events: Iterable[Event]) -> list[int]:
         """Append many events with pipelined acks; all stored when it returns."""
