@@ -182,10 +182,12 @@ class TrainerSeat:
     """The core cell whose trainer service follows its role (``cells.core_follows_role``,
     ``GYRE_TRAINER_FOLLOW_ROLE``): ``join`` asks the trainer to start claiming, ``leave``
     to stop, answered once its micro-step in hand is done, so the engine takes its memory
-    back only after that (``services/trainer/gate.py``)."""
+    back only after that (``services/trainer/gate.py``). The leave's wait is bounded below
+    the scheduler's 300 s switch request timeout; a leave that times out is rolled back by
+    joining again (``CellAgent._roll_back``)."""
 
     def __init__(self, bus, run_id: str, cell: str, *, join_timeout_s: float = 60.0,
-                 leave_timeout_s: float = 600.0, tries: int = 20) -> None:
+                 leave_timeout_s: float = 240.0, tries: int = 20) -> None:
         self.bus, self.run_id, self.cell = bus, run_id, cell
         self.join_timeout_s, self.leave_timeout_s, self.tries = join_timeout_s, leave_timeout_s, tries
 

@@ -29,7 +29,13 @@ not moved are served where their KV cache is, and the moved ones where they went
 A restarted agent registers in inference: it first asks its training seat to leave (the
 core's trainer may still be claiming for a cell that trained) and gives its engine its
 memory back if the cells stream says the cell trained or was on its way there (an SGLang
-engine does not say whether its memory is released).
+engine does not say whether its memory is released). A failed switch the scheduler
+declared, or one that left the cell unusable, counts there as the phase it failed in,
+not the role it names: the engine may have been released before the agent hung.
+
+A core cell's trainer leave that times out (``TrainerSeat``) is rolled back by joining
+again: the trainer goes on leaving once its micro-step in hand is done, and the cell
+would train by every account with nothing claiming.
 
 Every resume of an engine whose memory was (or may have been) released, on the way back
 from training, in a rollback from ``releasing`` or ``joining``, or at a restart, is followed
@@ -304,6 +310,11 @@ class CellAgent:
                                       self._reload_weights if released else self._catch_up_weights, self._serve)
         elif rec.from_role == "training" and "leaving" in completed:
             steps = (self.engine.release, self._rejoin)
+        elif rec.from_role == "training" and rec.failed_phase == "leaving":
+            # a leave that timed out may still complete (the core trainer answers once its
+            # micro-step in hand is done): join again, or the cell trains by every account
+            # while its seat claims nothing. A seat that never left takes the join as a no-op.
+            steps = (self._rejoin,)
         else:
             return None
         return await self._run_steps(steps)
@@ -384,14 +395,21 @@ class CellAgent:
         await self._reload_weights()
 
     async def _recorded_state(self) -> str | None:
-        """The cell's last role or phase on the cells stream (None: nothing recorded)."""
+        """The cell's last role or phase on the cells stream (None: nothing recorded). A
+        failed switch the scheduler declared (its agent hung) or whose rollback left the
+        cell unusable names the role the cell should be in, not what its engine is in: it
+        counts as the phase it failed in (from ``releasing`` on, the memory may be
+        released); a later ``CellRepaired`` says the rollback was completed."""
         last = None
         try:
             async for d in self.bus.read(Context.CELLS, filter_subject=f"gyre.{self.run_id}.cells.>"):
                 ev = d.event
                 if getattr(ev, "cell", None) != self.name:
                     continue
-                if isinstance(ev, (CellRegistered, SwitchCompleted, SwitchFailed)):
+                if isinstance(ev, SwitchFailed) and (ev.declared_by_scheduler or ev.unusable) \
+                        and ev.phase in RELEASED_AFTER | MAYBE_RELEASED_AFTER:
+                    last = ev.phase
+                elif isinstance(ev, (CellRegistered, SwitchCompleted, SwitchFailed, CellRepaired)):
                     last = str(ev.role)
                 elif isinstance(ev, SwitchPhaseEntered):
                     last = ev.phase
