@@ -54,7 +54,7 @@ from .tasks import Task, default_tasks_dir, load_tasks
 # The options ``gyre serve runner`` reads from the environment here (the others come from
 # ``gyre/services.py``'s ``RUNNER_ENV``): option -> variable.
 ENV = {"max_turns": "GYRE_RUNNER_MAX_TURNS", "time_limit_scale": "GYRE_RUNNER_TIME_LIMIT_SCALE",
-       "keep_workspaces": "GYRE_RUNNER_KEEP_WORKSPACES"}
+       "keep_workspaces": "GYRE_RUNNER_KEEP_WORKSPACES", "max_parallel": "GYRE_RUNNER_MAX_PARALLEL"}
 
 _TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
 
@@ -72,6 +72,11 @@ def _name(option: str) -> str:
 def _max_turns(options: dict[str, Any]) -> int:
     return number_option(options, "max_turns", default=40, integer=True, minimum=1,
                          label=f"runner: {_name('max_turns')}", must_be="an integer >= 1")
+
+
+def _max_parallel(options: dict[str, Any]) -> int:
+    return number_option(options, "max_parallel", default=4, integer=True, minimum=1,
+                         label=f"runner: {_name('max_parallel')}", must_be="an integer >= 1")
 
 
 def _time_limit_scale(options: dict[str, Any]) -> float:
@@ -98,7 +103,7 @@ def runner_config(run_id: str, options: dict[str, Any]) -> RunnerConfig:
     work_root = Path(options.get("work_root") or tempfile.mkdtemp(prefix="gyre-rollouts-"))
     return RunnerConfig(
         run_id=run_id, proxy_url=str(options["proxy_url"]), work_root=work_root, harness=PRESETS[harness],
-        model=str(options.get("model") or "policy"), max_parallel=int(options.get("max_parallel") or 4),
+        model=str(options.get("model") or "policy"), max_parallel=_max_parallel(options),
         max_turns=_max_turns(options), time_limit_scale=_time_limit_scale(options),
         keep_workspaces=_keep_workspaces(options))
 

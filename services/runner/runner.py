@@ -22,6 +22,7 @@ import hashlib
 import io
 import logging
 import math
+import os
 import secrets
 import tarfile
 import time
@@ -32,11 +33,11 @@ from pathlib import Path
 from typing import Literal, TypeVar
 
 from libs.common.bus.port import BlobStore, EventBus
-from libs.common.events import Event, RolloutStarted
+from libs.common.events import Context, Event, RolloutStarted
 
 from . import core
 from .adapters import workspace
-from .adapters.process import MARK_VAR, HarnessProcess, kill_marked, launch
+from .adapters.process import MARK_VAR, RUNNER_VAR, HarnessProcess, kill_marked, kill_orphans, launch
 from .adapters.snapshot import SnapshotTooLarge, snapshot_workspace
 from .harness import HarnessConfig, gyre_agent, render
 from .tasks import Task
@@ -74,6 +75,8 @@ class RunnerConfig:
     io_backoff_max_s: float = 30.0  # ... up to this; also the wait of a publish past io_attempts when io_backoff_s is 0
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_parallel, bool) or not isinstance(self.max_parallel, int) or self.max_parallel < 1:
+            raise ValueError(f"max_parallel must be an integer >= 1 (rollouts at once), not {self.max_parallel!r}")
         if not (math.isfinite(self.time_limit_scale) and self.time_limit_scale > 0):
             raise ValueError(f"time_limit_scale must be a finite number > 0, not {self.time_limit_scale!r}")
         if self.io_attempts < 1 or not self.io_backoff_s >= 0:
@@ -154,16 +157,28 @@ class RolloutRunner:
         # error an event is sent again only as it was, and never once taken (see _end_failed)
         self._handed: dict[str, Event] = {}
         self._taken: set[str] = set()
+        # group ids the log or this runner has used: a step run again gets new ones
+        self._groups_used: set[str] = set()
+        self._groups_read_to = 0  # the rollouts stream read up to this sequence
+        self._groups_lock = asyncio.Lock()
+        kill_orphans()  # what harnesses of a runner that died hard left running
 
     async def run_step(self, step: int, tasks: list[Task], group_size: int, *, weight_version: int = 0,
                        harness: HarnessConfig | None = None, purpose: str = "train",
                        group_prefix: str = "") -> list[RolloutOutcome]:
         """Run every task ``group_size`` times; returns when all rollouts have ended.
         ``purpose="eval"`` rollouts are scored but never trained on; ``group_prefix`` keeps
-        their groups and rollout ids apart from the training step's."""
+        their groups and rollout ids apart from the training step's.
+
+        Each entry of ``tasks`` gets a group id no rollout in the log (or in this runner)
+        has: ``s<step>-<task>``, else ``re<n>-s<step>-<task>`` with the first free ``n``.
+        A step run again after a stop (its abandoned rollouts never end, and a group is
+        queued only once all its members are sealed), a task listed twice, or a request
+        sent again while the first still runs gets groups of its own, each complete."""
+        prefixes = await self._fresh_group_prefixes(step, tasks, group_prefix)
         jobs = [self.run_rollout(step, task, i, group_size, weight_version=weight_version, harness=harness,
-                                 purpose=purpose, group_prefix=group_prefix)
-                for task in tasks for i in range(group_size)]
+                                 purpose=purpose, group_prefix=prefix)
+                for task, prefix in zip(tasks, prefixes) for i in range(group_size)]
         # Not a plain gather: one rollout raising must not leave its siblings running with
         # nobody to collect them. (A cancel of run_step still cancels them all.)
         results = await asyncio.gather(*jobs, return_exceptions=True)
@@ -174,6 +189,32 @@ class RolloutRunner:
             log.error("%s", err)
             raise err from errors[0]
         return outcomes
+
+    async def _fresh_group_prefixes(self, step: int, tasks: list[Task], group_prefix: str) -> list[str]:
+        async with self._groups_lock:
+            subject = f"gyre.{self.config.run_id}.{Context.ROLLOUTS.value}.{RolloutStarted.TYPE}.>"
+            try:
+                async for d in self.bus.read(Context.ROLLOUTS, start_seq=self._groups_read_to + 1,
+                                             filter_subject=subject):
+                    if isinstance(d.event, RolloutStarted):
+                        self._groups_used.add(d.event.group_id)
+                    self._groups_read_to = max(self._groups_read_to, d.seq)
+            except Exception as exc:  # the rollouts' own publishes wait for the bus (or give up) as ever
+                log.warning("step %s: the rollouts stream cannot be read (%r); the step's group ids are chosen "
+                            "from what this runner has seen only", step, exc)
+            prefixes = []
+            for task in tasks:
+                base = group_prefix + group_id_for(step, task.task_id)
+                prefix, n = group_prefix, 0
+                while prefix + group_id_for(step, task.task_id) in self._groups_used:
+                    n += 1
+                    prefix = f"re{n}-{group_prefix}"
+                if n:
+                    log.warning("step %s: group %s exists already (the step run again, or the task listed twice); "
+                                "its rollouts go to group %s", step, base, prefix + group_id_for(step, task.task_id))
+                self._groups_used.add(prefix + group_id_for(step, task.task_id))
+                prefixes.append(prefix)
+            return prefixes
 
     async def run_rollout(self, step: int, task: Task, index: int, group_size: int | None, *,
                           weight_version: int = 0, harness: HarnessConfig | None = None, purpose: str = "train",
@@ -311,6 +352,7 @@ class RolloutRunner:
                   "max_turns": str(task.max_turns or self.config.max_turns)}
         rendered = render(harness, values, api_key)
         rendered.env[MARK_VAR] = plan.rollout_id  # how kill_marked finds what outlives the group
+        rendered.env[RUNNER_VAR] = str(os.getpid())  # how a later runner finds what outlives this one
         for path, text in rendered.files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text, encoding="utf-8")

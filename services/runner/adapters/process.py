@@ -1,10 +1,17 @@
 """Harness processes: each in its own session (so its process group can be killed as a
-whole, children included), output to a log file, waited on with a deadline."""
+whole, children included), output to a log file, waited on with a deadline.
+
+A harness does not outlive its runner: its leader gets SIGKILL when the runner dies
+(``PR_SET_PDEATHSIG``, even on the runner's own SIGKILL), and a runner starting sweeps
+what a dead runner's harnesses left (``kill_orphans``: every process of ours marked with
+the pid of a runner no longer alive)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import logging
 import os
 import signal
 from dataclasses import dataclass
@@ -45,6 +52,62 @@ class HarnessProcess:
 
 
 MARK_VAR = "GYRE_ROLLOUT_ID"  # set in every harness's environment; inherited by what it starts
+RUNNER_VAR = "GYRE_RUNNER_PID"  # ... and the pid of the runner that started it
+
+log = logging.getLogger(__name__)
+
+try:  # resolved here, not in the forked child (no dynamic loading between fork and exec)
+    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+except (OSError, AttributeError):  # not Linux: the start-up sweep is all there is
+    _prctl = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_runner() -> None:  # runs in the child between fork and exec
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+
+
+def _environ_of(pid: str) -> list[bytes] | None:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:  # gone, or not ours to read
+        return None
+
+
+def kill_orphans() -> int:
+    """SIGKILL every process of ours whose ``GYRE_RUNNER_PID`` names a runner that is not
+    alive: what a runner that died hard (OOM, kill -9) left running with no time limit.
+    Processes of a live runner (another one on this machine) are left alone. Returns how
+    many were killed."""
+    prefix = f"{RUNNER_VAR}=".encode()
+    dead: dict[int, bool] = {}
+    killed = 0
+    try:
+        entries = list(os.scandir("/proc"))
+    except OSError:  # no /proc (not Linux): nothing to sweep
+        return 0
+    for entry in entries:
+        if not entry.name.isdigit():
+            continue
+        env = _environ_of(entry.name)
+        mark = next((v for v in env or () if v.startswith(prefix)), None)
+        if mark is None:
+            continue
+        try:
+            runner = int(mark[len(prefix):])
+        except ValueError:
+            continue
+        if runner not in dead:
+            dead[runner] = not os.path.exists(f"/proc/{runner}")
+        if dead[runner]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                killed += 1
+    if killed:
+        log.warning("runner: killed %d process(es) left running by harnesses of a runner that died", killed)
+    return killed
 
 
 def kill_marked(mark: str, *, passes: int = 5) -> int:
@@ -60,12 +123,8 @@ def kill_marked(mark: str, *, passes: int = 5) -> int:
             for entry in os.scandir("/proc"):
                 if not entry.name.isdigit() or int(entry.name) == me:
                     continue
-                try:
-                    with open(f"/proc/{entry.name}/environ", "rb") as f:
-                        env = f.read().split(b"\0")
-                except OSError:  # gone, or not ours to read
-                    continue
-                if needle in env:
+                env = _environ_of(entry.name)
+                if env is not None and needle in env:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.kill(int(entry.name), signal.SIGKILL)
                         found += 1
@@ -80,5 +139,5 @@ async def launch(argv: list[str], *, cwd: Path, env: dict[str, str], log_file: P
     with log_file.open("ab") as log:
         proc = await asyncio.create_subprocess_exec(*argv, cwd=str(cwd), env=env, stdin=asyncio.subprocess.DEVNULL,
                                                     stdout=log, stderr=asyncio.subprocess.STDOUT,
-                                                    start_new_session=True)
+                                                    start_new_session=True, preexec_fn=_die_with_runner)
     return HarnessProcess(proc)

@@ -1,0 +1,179 @@
+"""Group ids a step can complete, a bounded number of rollouts at once, and no harness
+outliving its runner.
+
+- A step run again (the runner stopped mid-step; its abandoned rollouts never end, and the
+  trajectory ledger queues a group only once every member is sealed), a task listed twice,
+  or a request sent again while the first runs: each gets groups of its own.
+- ``max_parallel`` below 1 stops the runner at start with an error naming the variable
+  (0 made every step wait for good).
+- A runner killed hard (SIGKILL) takes its harnesses with it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gyre.services import runner_env_options
+from libs.common.blobs import MemoryBlobStore
+from libs.common.bus.memory import InMemoryBus
+from libs.common.events import (Context, GroupQueued, RolloutFinished, RolloutScored, RolloutStarted,
+                                RolloutTimedOut)
+from services.runner.adapters.process import RUNNER_VAR, kill_orphans
+from services.runner.harness import HarnessConfig
+from services.runner.main import create_runner, env_options, runner_config
+from services.runner.runner import RolloutRunner, RunnerConfig
+from services.runner.tasks import Task
+from services.trajectory.ledger import LedgerConfig, TrajectoryLedger
+
+RUN = "groups"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def runner(tmp_path, bus, script: str, **kw) -> RolloutRunner:
+    return RolloutRunner(RunnerConfig(RUN, "http://proxy:1", tmp_path / "work", kill_grace_s=0.2,
+                                      harness=HarnessConfig("sh", ("/bin/sh", "-c", script)), **kw),
+                         bus=bus, blobs=MemoryBlobStore())
+
+
+async def queued_groups(bus) -> list[GroupQueued]:
+    """The runner's rollout events through the real trajectory ledger, each rollout scored
+    as it ends (as the evaluator would)."""
+    ledger = TrajectoryLedger(LedgerConfig(RUN))
+    queued: list[GroupQueued] = []
+    async for d in bus.read(Context.ROLLOUTS):
+        ev = d.event
+        if isinstance(ev, RolloutStarted):
+            fx = ledger.rollout_started(ev)
+        elif isinstance(ev, (RolloutFinished, RolloutTimedOut)):
+            ledger.rollout_ended(ev.rollout_id)
+            score = RolloutScored(run_id=RUN, rollout_id=ev.rollout_id, score=0.5)
+            ledger.rollout_judged(score)
+            fx = ledger.seal(ev.rollout_id, score)
+        else:
+            continue
+        queued += [e for e in fx.events if isinstance(e, GroupQueued)]
+    return queued
+
+
+async def test_a_step_run_again_after_a_stop_gets_new_groups_and_trains(tmp_path) -> None:
+    bus = InMemoryBus()
+    demo = Task("demo", "hi\n", time_limit_s=60)
+    first = asyncio.create_task(runner(tmp_path, bus, "sleep 30").run_step(3, [demo], group_size=2))
+    for _ in range(200):  # the first runner is stopped mid-step, its two rollouts started
+        await asyncio.sleep(0.05)
+        if len([d async for d in bus.read(Context.ROLLOUTS) if isinstance(d.event, RolloutStarted)]) == 2:
+            break
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+
+    outcomes = await runner(tmp_path, bus, "echo done > a.txt").run_step(3, [demo], 2)  # a new runner
+    assert {o.group_id for o in outcomes} == {"re1-s3-demo"}
+    assert all(o.rollout_id.startswith("re1-s3-demo-") for o in outcomes)
+    assert [(g.group_id, sorted(g.rollout_ids)) for g in await queued_groups(bus)] == \
+        [("re1-s3-demo", sorted(o.rollout_id for o in outcomes))]
+    again = await runner(tmp_path, bus, "echo done > a.txt").run_step(3, [demo], 1)
+    assert {o.group_id for o in again} == {"re2-s3-demo"}
+
+
+async def test_a_task_listed_twice_and_a_step_asked_twice_at_once_get_groups_of_their_own(tmp_path) -> None:
+    bus = InMemoryBus()
+    r = runner(tmp_path, bus, "echo hi > a.txt", max_parallel=1)
+    demo = Task("demo", "hi\n", time_limit_s=10)
+    both = await asyncio.gather(r.run_step(0, [demo, demo], group_size=2), r.run_step(0, [demo], group_size=2))
+    groups = [sorted({o.group_id for o in outcomes}) for outcomes in both]
+    assert groups == [["re1-s0-demo", "s0-demo"], ["re2-s0-demo"]]
+    queued = await queued_groups(bus)
+    assert sorted(g.group_id for g in queued) == ["re1-s0-demo", "re2-s0-demo", "s0-demo"]
+    assert {r for g in queued for r in g.rollout_ids} == {o.rollout_id for out in both for o in out}
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "abc", "2.5"])
+def test_max_parallel_below_one_or_unreadable_names_its_variable(tmp_path, value) -> None:
+    environ = {"GYRE_PROXY_URL": "http://proxy:1", "GYRE_RUNNER_MAX_PARALLEL": value,
+               "GYRE_RUNNER_WORK_ROOT": str(tmp_path / "work")}
+    options = env_options(runner_env_options({}, environ), environ)  # as `gyre serve runner` builds them
+    with pytest.raises(ValueError, match="GYRE_RUNNER_MAX_PARALLEL.*an integer >= 1"):
+        create_runner(runner_config("r", options), bus=InMemoryBus(), blobs=MemoryBlobStore())
+    with pytest.raises(ValueError, match="max_parallel must be an integer >= 1"):
+        RunnerConfig("r", "http://proxy:1", tmp_path, max_parallel=0)
+
+
+_RUNNER = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from libs.common.blobs import MemoryBlobStore
+    from libs.common.bus.memory import InMemoryBus
+    from services.runner.harness import HarnessConfig
+    from services.runner.runner import RolloutRunner, RunnerConfig
+    from services.runner.tasks import Task
+    work = Path(sys.argv[1])
+    # the leader, and a child of its own session that the leader's death does not reach
+    h = HarnessConfig("sh", ("/bin/sh", "-c",
+                             "echo $$ > ../harness.pid; setsid sleep 60 & echo $! > ../child.pid; "
+                             "while true; do sleep 0.2; done"))
+    r = RolloutRunner(RunnerConfig("r", "http://proxy:1", work, harness=h, keep_workspaces=True),
+                      bus=InMemoryBus(), blobs=MemoryBlobStore())
+    asyncio.run(r.run_step(0, [Task("demo", "hi\\n", time_limit_s=60)], 1))
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+
+
+def test_a_harness_dies_with_its_runner_and_a_new_runner_sweeps_what_it_left(tmp_path) -> None:
+    work = tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "-c", _RUNNER, str(work)], cwd=ROOT)
+    pids: list[int] = []
+    try:
+        for _ in range(400):
+            files = [next(iter(work.glob(f"*/{n}.pid")), None) for n in ("harness", "child")]
+            if all(f is not None and f.read_text().strip() for f in files):
+                pids = [int(f.read_text()) for f in files]
+                break
+            time.sleep(0.05)
+        assert len(pids) == 2, "the harness never started"
+        leader, child = pids
+        proc.send_signal(signal.SIGKILL)  # the runner dies hard mid-rollout
+        proc.wait()
+        for _ in range(100):
+            if not _alive(leader):
+                break
+            time.sleep(0.05)
+        assert not _alive(leader), "the harness outlived its runner"
+        assert _alive(child)  # its own session, out of the leader's reach: the next runner's sweep
+        assert f"{RUNNER_VAR}={proc.pid}".encode() in Path(f"/proc/{child}/environ").read_bytes()
+        assert kill_orphans() >= 1
+        for _ in range(100):
+            if not _alive(child):
+                break
+            time.sleep(0.05)
+        assert not _alive(child)
+    finally:
+        for pid in pids:
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_the_sweep_leaves_a_live_runners_harnesses_alone(tmp_path) -> None:
+    child = subprocess.Popen(["sleep", "30"], env={**os.environ, RUNNER_VAR: str(os.getpid())})
+    try:
+        kill_orphans()
+        assert child.poll() is None
+    finally:
+        child.kill()
+        child.wait()
