@@ -79,7 +79,11 @@ class EngineClient:
         rid: str | None = None,
         top_logprobs_num: int = 0,
     ) -> AsyncIterator[dict]:
-        """Yields SGLang's cumulative stream chunks; the last has a ``finish_reason``."""
+        """Yields SGLang's cumulative stream chunks; the last has a ``finish_reason``. A
+        request SGLang refuses once the stream is open (a ``ValueError`` there: an input
+        longer than the context, a sampling parameter out of range) comes as a chunk
+        ``{"error": {"message": ...}}`` on an HTTP 200: raised as a ``CellError`` 400, as
+        the same refusal of a request that is not streamed is answered."""
         body = _generate_body(input_ids, sampling_params, return_logprob, rid, stream=True, top=top_logprobs_num)
         async with self._http.stream("POST", "/generate", json=body) as response:
             if response.status_code != 200:
@@ -91,7 +95,12 @@ class EngineClient:
                 data = line[5:].strip()
                 if data == "[DONE]":
                     return
-                yield json.loads(data)
+                chunk = json.loads(data)
+                error = chunk.get("error") if isinstance(chunk, dict) else None
+                if error is not None:
+                    message = error.get("message") if isinstance(error, dict) else None
+                    raise CellError(400, str(message or error))
+                yield chunk
 
     # -- state ---------------------------------------------------------------------------
     async def health(self) -> bool:

@@ -96,6 +96,9 @@ class RolloutBook:
         self.rollouts: dict[str, RolloutInfo] = {}
         self.states: dict[str, RolloutState] = {}
         self.on_ended: list[Callable[[str], None]] = []  # told a rollout's id when it ends (routing forgets it)
+        # the follower has read the rollouts stream to its end once: until then an entry not
+        # ended may only be a start whose end the replay has not reached yet
+        self.caught_up = False
 
     # -- rollouts ----------------------------------------------------------------------
 
@@ -105,6 +108,8 @@ class RolloutBook:
         except EventDecodeError:
             return
         if isinstance(ev, RolloutStarted):
+            if ev.rollout_id in self.rollouts:
+                return  # the replay (or a lookup) met it already: an end known meanwhile stays
             self.rollouts[ev.rollout_id] = RolloutInfo(ev.api_key_digest, False, ev.weight_version)
         elif isinstance(ev, (RolloutFinished, RolloutTimedOut)):
             info = self.rollouts.get(ev.rollout_id)
@@ -121,21 +126,27 @@ class RolloutBook:
             async for raw in follow:
                 if raw is not None:
                     self.apply_rollout_event(raw.data)
+                else:  # idle: at the stream's end
+                    self.caught_up = True
                 if stop.is_set():
                     return
         finally:
             await follow.aclose()
 
     async def lookup(self, rollout_id: str) -> RolloutInfo | None:
+        """The rollout as the log says. Read from the log when the follower has not met it,
+        or has met only its start while it has not yet read the stream to its end (a
+        restarted proxy replays from the start: the rollout may have ended long ago)."""
         info = self.rollouts.get(rollout_id)
-        if info is not None:
+        if info is not None and (info.ended or self.caught_up):
             return info
         base = f"gyre.{self.run_id}.rollouts"
         tok = subject_token(rollout_id)
-        started = await self.bus.last_on_subject(Context.ROLLOUTS, f"{base}.RolloutStarted.{tok}")
-        if started is None:
-            return None
-        self.apply_rollout_event(started.data)
+        if info is None:
+            started = await self.bus.last_on_subject(Context.ROLLOUTS, f"{base}.RolloutStarted.{tok}")
+            if started is None:
+                return None
+            self.apply_rollout_event(started.data)
         for kind in ("RolloutFinished", "RolloutTimedOut"):
             ended = await self.bus.last_on_subject(Context.ROLLOUTS, f"{base}.{kind}.{tok}")
             if ended is not None:

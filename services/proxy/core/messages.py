@@ -89,7 +89,14 @@ def _maybe_json(s: str) -> Any:
 
 
 def _canon_args(a: dict[str, Any] | str) -> Any:
-    return _maybe_json(a) if isinstance(a, str) else a  # key order: OPT_SORT_KEYS in canonical()
+    """A tool call's arguments as they compare (key order: OPT_SORT_KEYS in canonical()).
+    Arguments the model wrote as something other than a JSON object compare as
+    ``{"raw": <the text>}``: the form Anthropic's ``tool_use.input`` (an object) carries them
+    in, and Claude Code sends them back in, so its echo still continues the reply."""
+    v = _maybe_json(a) if isinstance(a, str) else a
+    if isinstance(v, dict):
+        return v
+    return {"raw": a if isinstance(a, str) else v}
 
 
 def canonical_json(value: Any) -> bytes:
