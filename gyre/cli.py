@@ -309,7 +309,7 @@ def replay(
 def bench(
     name: Annotated[str, typer.Argument(help="benchmark name (see `gyre bench --list`)")] = "",
     as_json: Annotated[bool, typer.Option("--json", help="print one JSON object as the last line")] = False,
-    n: Annotated[int, typer.Option(help="size (benchmark-specific; 0 = its default)")] = 0,
+    n: Annotated[int, typer.Option(min=0, help="size (benchmark-specific; 0 = its default)")] = 0,
     backend: Annotated[str, typer.Option(help="train: torch | megatron")] = "torch",
     list_: Annotated[bool, typer.Option("--list", help="list the benchmarks")] = False,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="tree: a workload parameter, key=value "

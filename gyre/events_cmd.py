@@ -102,6 +102,19 @@ def _load_files(files: list[Path]) -> Any:
     return load_memory_bus(files)
 
 
+class _NoDeadLetters:
+    """A bus that is read from, not written to: ``dead_letter`` says what it would store."""
+
+    def __init__(self, bus: Any) -> None:
+        self._bus = bus
+
+    async def dead_letter(self, consumer: str, message: Any, reason: str) -> None:
+        print(f"replay: {message.stream} seq {message.seq} cannot be applied: {reason}", file=sys.stderr)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bus, name)
+
+
 async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) -> dict[str, Any]:
     """Rebuild the read models into the database of ``settings`` (a fresh SQLite file
     under a temp folder, removed afterwards, when none is given) from exported files or
@@ -125,7 +138,9 @@ async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) 
                 bus = await connect_tool_bus(stack.enter_context(run_nats_url(settings)), name="gyre-replay",
                                              settings=settings)
             try:
-                runner = ProjectionRunner(engine, bus, readmodels, filter_run=run_id)
+                # a rebuild only reads the log: what it cannot apply is counted and said, never
+                # written to the live dead-letter stream under the live projector's name
+                runner = ProjectionRunner(engine, _NoDeadLetters(bus), readmodels, filter_run=run_id)
                 applied = await runner.catch_up()
                 digest = readmodel_digest(engine)
             finally:
@@ -286,12 +301,17 @@ def _where(settings: GyreSettings, url: str) -> str:
 
 @contextlib.contextmanager
 def run_nats_url(settings: GyreSettings) -> Iterator[str]:
-    """``GYRE_NATS_URL``, or, without one, a finished embedded run's store (``<run dir>/nats``)
+    """``GYRE_NATS_URL``, or, without one, the server of a ``gyre up`` still running on the
+    run dir (``<run dir>/nats.url``), or a finished embedded run's store (``<run dir>/nats``)
     reopened for the duration."""
-    from libs.common.natsserver import EmbeddedNats
+    from libs.common.natsserver import EmbeddedNats, live_url
 
     if settings.nats_url:
         yield settings.nats_url
+        return
+    running = live_url(settings.nats_store_dir)
+    if running is not None:
+        yield running
         return
     if not settings.nats_store_dir.is_dir():
         raise NatsNotConfigured(f"GYRE_NATS_URL is not set and {settings.nats_store_dir} holds no event store: "

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from libs.common.events import (
-    CallRecorded, Context, Event, ForkDetected, RolloutFinished, RolloutScored, RolloutStarted, RolloutTimedOut,
+    CallRecorded, Context, Event, ForkDetected, RolloutFinished, RolloutScored, RolloutScoringFailed, RolloutStarted, RolloutTimedOut,
     CellRegistered, HeldoutEvaluated, MicroStepDone, MicroStepQueued, RunStarted, SamplesSelected, StepApplied,
     WarmStartCompleted, SwitchCompleted, SwitchFailed, TreeSealed, WaterLevelSampled,
 )
@@ -30,6 +30,7 @@ class RunFacts:
     run_id: str
     step_of: dict[str, int] = field(default_factory=dict)
     scores: dict[str, tuple[float, bool]] = field(default_factory=dict)  # rollout -> (score, partial)
+    scoring_failed: set[str] = field(default_factory=set)  # rollouts with a RolloutScoringFailed
     ended: dict[str, str] = field(default_factory=dict)  # rollout -> finished | timed_out
     exit_status: dict[str, int | None] = field(default_factory=dict)
     water: list[tuple[float, float, float]] = field(default_factory=list)  # (t, level, capacity)
@@ -80,6 +81,8 @@ class RunFacts:
             self.exit_status[ev.rollout_id] = ev.exit_status
         elif isinstance(ev, RolloutScored):
             self.scores[ev.rollout_id] = (ev.score, ev.partial)
+        elif isinstance(ev, RolloutScoringFailed):
+            self.scoring_failed.add(ev.rollout_id)
         elif isinstance(ev, WaterLevelSampled):
             self.water.append((t, ev.level, float(ev.inference_capacity)))
         elif isinstance(ev, CellRegistered):
@@ -109,10 +112,15 @@ class RunFacts:
             self.steps_applied.append({"step": ev.step, "weight_version": ev.weight_version, **ev.loss})
 
     def rewards_by_step(self) -> dict[int, list[float]]:
+        """Each step's rollout rewards as the step loop counted them: a rollout whose scoring
+        failed (and was not scored after all) counts 0."""
         out: dict[int, list[float]] = defaultdict(list)
         for rollout, (score, _) in self.scores.items():
             if rollout in self.step_of:
                 out[self.step_of[rollout]].append(score)
+        for rollout in self.scoring_failed - self.scores.keys():
+            if rollout in self.step_of:
+                out[self.step_of[rollout]].append(0.0)
         return dict(sorted(out.items()))
 
 
@@ -208,6 +216,7 @@ def figures(facts: RunFacts) -> dict[str, Any]:
         "finished": sum(1 for r, s in facts.ended.items() if s == "finished" and r not in facts.eval_rollouts),
         "timed_out": sum(1 for r, s in facts.ended.items() if s == "timed_out" and r not in facts.eval_rollouts),
         "scored": len(train_scores),
+        "scoring_failed": len({r for r in facts.scoring_failed - facts.scores.keys() if r not in facts.eval_rollouts}),
         "partial_share": round(sum(1 for _, p in train_scores if p) / max(len(train_scores), 1), 4),
         "harness_failures": sum(1 for s in facts.exit_status.values() if s not in (0, None)),  # eval ones too
         "calls": facts.calls, "undelivered_calls": facts.undelivered, "drift": dict(facts.drift),

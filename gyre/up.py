@@ -33,7 +33,7 @@ from libs.common.bus.jetstream import JetStreamBus
 from libs.common.runtime import connect_tool_bus
 from libs.common.db.engine import upgrade
 from libs.common.events import RunStarted, WarmStartCompleted
-from libs.common.natsserver import EmbeddedNats, free_port
+from libs.common.natsserver import EmbeddedNats, clear_live_url, free_port, live_url, write_live_url
 from libs.common.runconfig import RunConfig
 from libs.common.settings import GyreSettings
 
@@ -236,15 +236,46 @@ def _admin_token(settings: GyreSettings) -> str:
     return token
 
 
+def preflight(cfg: RunConfig, json_summary: Path | None) -> str | None:
+    """What the run config or the command asks for that cannot work, found before anything
+    starts (else hours later: the harness is first used after the warm start and the
+    stack, the summary written after the run); None when all is well."""
+    from services.runner.harness import PRESETS
+
+    if cfg.harness.name not in PRESETS:
+        return f"harness.name: unknown harness {cfg.harness.name!r}; known: {', '.join(sorted(PRESETS))}"
+    if cfg.tasks.dir is not None and not Path(cfg.tasks.dir).is_dir():
+        return f"tasks.dir: {cfg.tasks.dir} is not a folder"
+    if json_summary is not None:
+        parent = json_summary.parent
+        if not parent.is_dir():
+            return f"--json-summary {json_summary}: the folder {parent} does not exist"
+        if json_summary.is_dir():
+            return f"--json-summary {json_summary} is a folder"
+        if not os.access(parent, os.W_OK):
+            return f"--json-summary {json_summary}: the folder {parent} is not writable"
+    return None
+
+
 def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, duration: float = 0.0,
            json_summary: Path | None = None, eval_split: str | None = None) -> int:
     console = Console(stderr=check)
+    problem = preflight(cfg, json_summary)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr, flush=True)
+        return 2
     settings.run_dir.mkdir(parents=True, exist_ok=True)
     log_dir = settings.run_dir / "logs"
     log_dir.mkdir(exist_ok=True)
     nats = None
+    if not settings.nats_url and live_url(settings.nats_store_dir) is not None:
+        print(f"error: a gyre up is running on {settings.run_dir} already (its server: "
+              f"{live_url(settings.nats_store_dir)}); stop it first, or pass another --run-dir or run.id",
+              file=sys.stderr, flush=True)
+        return 2
     if not settings.nats_url:
         nats = EmbeddedNats(settings.nats_store_dir).start()
+        write_live_url(settings.nats_store_dir, nats.url)  # gyre events tail/report/... connect here meanwhile
         settings = settings.model_copy(update={"nats_url": nats.url})
     children: list[Child] = []
     stopping = False
@@ -295,9 +326,17 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
         # cut short: a signal before the steps were done (or, for --check, before all were healthy)
         interrupted = stopping and not (job is not None and job.done and job.error is None)
         if job is not None:
+            # the stack stopped before the steps were done: a service that exited for good,
+            # or --duration; the summary says so (and why, for a service)
+            cut_short = not job.done
+            if cut_short and not stopping:
+                job.progress.errors.append(
+                    "the stack stopped before the steps were done: " + (
+                        "a service exited for good (its last lines are printed above)" if code else
+                        f"--duration {duration:g}s reached"))
             job.stop()  # its thread must not outlive the stack it talks to
             _stop_children(children, {"scheduler"})  # it writes the schedule the cells replay checks
-            code = job.finish(settings, json_summary, console, interrupted=interrupted) or code
+            code = job.finish(settings, json_summary, console, interrupted=interrupted or cut_short) or code
         if interrupted:
             return code or _interrupted_code()
         return code
@@ -315,6 +354,7 @@ def run_up(settings: GyreSettings, cfg: RunConfig, *, check: bool = False, durat
             except subprocess.TimeoutExpired:
                 c.proc.kill()
         if nats is not None:
+            clear_live_url(nats.store_dir)
             nats.stop()
 
 
@@ -551,7 +591,7 @@ async def rebuild_report(settings: GyreSettings, *, require: bool = False) -> Pa
                 await bus.close()
         return write_report(facts, settings.run_dir)
     nats = None
-    url = settings.nats_url
+    url = settings.nats_url or live_url(settings.nats_store_dir)  # a run still going: its own server
     if not url:
         nats = EmbeddedNats(settings.nats_store_dir).start()
         url = nats.url

@@ -8,7 +8,9 @@ left running after a crash.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import json
 import os
 import shutil
 import signal
@@ -104,3 +106,41 @@ class EmbeddedNats:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def live_url_file(store_dir: Path) -> Path:
+    """Where ``gyre up`` says, while it runs, which server holds its embedded store."""
+    return store_dir.with_name(store_dir.name + ".url")
+
+
+def write_live_url(store_dir: Path, url: str) -> None:
+    live_url_file(store_dir).write_text(json.dumps({"url": url, "pid": os.getpid()}))
+
+
+def clear_live_url(store_dir: Path) -> None:
+    with contextlib.suppress(OSError):
+        live_url_file(store_dir).unlink()
+
+
+def live_url(store_dir: Path) -> str | None:
+    """The URL of the server a running ``gyre up`` holds ``store_dir`` open with, if one
+    does (its process is alive and the server answers): a tool must connect there, not
+    open a second server on the same store (which would show a snapshot, never what is
+    written after)."""
+    try:
+        info = json.loads(live_url_file(store_dir).read_text())
+        url, pid = str(info["url"]), int(info["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:  # that gyre up is gone: the store is free to open
+        return None
+    except PermissionError:  # alive, another user's
+        pass
+    host, _, port = url.removeprefix("nats://").rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=1.0):
+            return url
+    except (OSError, ValueError):
+        return None

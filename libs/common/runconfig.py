@@ -215,6 +215,12 @@ def load_run_config(path: str | Path | None, overrides: list[str] | tuple[str, .
             loaded = yaml.safe_load(Path(path).read_text())
         except FileNotFoundError:
             raise RunConfigError(f"run config {path} does not exist") from None
+        except IsADirectoryError:
+            raise RunConfigError(f"run config {path} is a folder, not a YAML file") from None
+        except OSError as exc:
+            raise RunConfigError(f"run config {path} cannot be read: {exc.strerror or exc}") from None
+        except UnicodeDecodeError as exc:
+            raise RunConfigError(f"run config {path} is not UTF-8 text: {exc}") from None
         except yaml.YAMLError as exc:
             raise RunConfigError(f"run config {path} is not valid YAML: {exc}") from exc
         if loaded is not None and not isinstance(loaded, dict):

@@ -78,11 +78,12 @@ def run_base_model(run_dir: Path, run_id: str) -> str | None:
     async def read() -> str | None:
         from libs.common.bus.jetstream import JetStreamBus
         from libs.common.events import Context, RunStarted
-        from libs.common.natsserver import EmbeddedNats
+        from libs.common.natsserver import EmbeddedNats, live_url
 
-        nats = EmbeddedNats(store).start()
+        running = live_url(store)  # a gyre up still running holds the store: read through its server
+        nats = None if running else EmbeddedNats(store).start()
         try:
-            bus = await JetStreamBus.connect(nats.url, name="gyre-export")
+            bus = await JetStreamBus.connect(running or nats.url, name="gyre-export")
             try:
                 async for d in bus.read(Context.RUNS, filter_subject=f"gyre.{run_id}.runs.RunStarted"):
                     if isinstance(d.event, RunStarted):
@@ -90,7 +91,8 @@ def run_base_model(run_dir: Path, run_id: str) -> str | None:
             finally:
                 await bus.close()
         finally:
-            nats.stop()
+            if nats is not None:
+                nats.stop()
         return None
 
     return asyncio.run(read())
