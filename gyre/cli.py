@@ -45,8 +45,8 @@ def _finished_run_dir(run_id: str | None, run_dir: Path | None) -> Path | None:
     return run_dir
 
 
-_FINISHED_RUN_HELP = ("without GYRE_NATS_URL: the finished run's folder, whose event store is reopened "
-                      "[GYRE_RUN_DIR; default runs/<run>]")
+_FINISHED_RUN_HELP = ("without GYRE_NATS_URL: the run's folder, whose event store is reopened (a run gyre up "
+                      "is still running: read through its own server) [GYRE_RUN_DIR; default runs/<run>]")
 
 
 def _logging(settings: GyreSettings) -> None:

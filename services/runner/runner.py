@@ -159,6 +159,7 @@ class RolloutRunner:
         self._taken: set[str] = set()
         # group ids the log or this runner has used: a step run again gets new ones
         self._groups_used: set[str] = set()
+        self._groups_active: set[str] = set()  # groups of this runner's run_step calls still going
         self._groups_read_to = 0  # the rollouts stream read up to this sequence
         self._groups_lock = asyncio.Lock()
         kill_orphans()  # what harnesses of a runner that died hard left running
@@ -171,17 +172,25 @@ class RolloutRunner:
         their groups and rollout ids apart from the training step's.
 
         Each entry of ``tasks`` gets a group id no rollout in the log (or in this runner)
-        has: ``s<step>-<task>``, else ``re<n>-s<step>-<task>`` with the first free ``n``.
-        A step run again after a stop (its abandoned rollouts never end, and a group is
-        queued only once all its members are sealed), a task listed twice, or a request
-        sent again while the first still runs gets groups of its own, each complete."""
+        has: ``s<step>-<task>``; else, when that group is one a ``run_step`` of this runner
+        is still running (a task listed twice, a request sent again meanwhile),
+        ``dup<n>-s<step>-<task>``, a group of its own that is trained beside it; else (the
+        step run again after a stop: the old group's abandoned rollouts never end, and a
+        group is queued only once all its members are sealed) ``re<n>-s<step>-<task>``,
+        which the scheduler reads as replacing the unqueued group of an earlier attempt.
+        ``n`` is the first free one."""
         prefixes = await self._fresh_group_prefixes(step, tasks, group_prefix)
+        groups = {p + group_id_for(step, t.task_id) for p, t in zip(prefixes, tasks)}
+        self._groups_active |= groups
         jobs = [self.run_rollout(step, task, i, group_size, weight_version=weight_version, harness=harness,
                                  purpose=purpose, group_prefix=prefix)
                 for task, prefix in zip(tasks, prefixes) for i in range(group_size)]
         # Not a plain gather: one rollout raising must not leave its siblings running with
         # nobody to collect them. (A cancel of run_step still cancels them all.)
-        results = await asyncio.gather(*jobs, return_exceptions=True)
+        try:
+            results = await asyncio.gather(*jobs, return_exceptions=True)
+        finally:
+            self._groups_active -= groups
         outcomes = [r for r in results if isinstance(r, RolloutOutcome)]
         errors = [r for r in results if not isinstance(r, RolloutOutcome)]
         if errors:
@@ -204,15 +213,20 @@ class RolloutRunner:
                             "from what this runner has seen only", step, exc)
             prefixes = []
             for task in tasks:
-                base = group_prefix + group_id_for(step, task.task_id)
+                own = group_id_for(step, task.task_id)
+                base = group_prefix + own
                 prefix, n = group_prefix, 0
-                while prefix + group_id_for(step, task.task_id) in self._groups_used:
-                    n += 1
-                    prefix = f"re{n}-{group_prefix}"
-                if n:
-                    log.warning("step %s: group %s exists already (the step run again, or the task listed twice); "
-                                "its rollouts go to group %s", step, base, prefix + group_id_for(step, task.task_id))
-                self._groups_used.add(prefix + group_id_for(step, task.task_id))
+                if base in self._groups_used:
+                    # one still going here (or just claimed in this call): a sibling group;
+                    # else the step is run again
+                    kind = "dup" if base in self._groups_active or base in {p + own for p in prefixes} else "re"
+                    while prefix + own in self._groups_used:
+                        n += 1
+                        prefix = f"{kind}{n}-{group_prefix}"
+                    log.warning("step %s: group %s exists already (%s); its rollouts go to group %s", step, base,
+                                "the task listed twice, or the step asked for again while it runs"
+                                if kind == "dup" else "the step run again", prefix + own)
+                self._groups_used.add(prefix + own)
                 prefixes.append(prefix)
             return prefixes
 

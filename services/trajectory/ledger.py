@@ -313,8 +313,9 @@ def tree_summary(state: RolloutState, sealed: SealedTree) -> bytes:
                      "n_trained_tokens": p.n_trained_tokens, "n_context_tokens": p.n_context_tokens}
                     for p in sealed.packed],
         "rejected": [{"call_id": r.call_id, "reason": r.reason} for r in sealed.rejected],
-        "untrained": [{"call_id": r.call_id, "reason": r.reason} for r in sealed.untrained],
     }
+    if sealed.untrained:  # only then: a summary (so TreeSealed's digest) stays as before without one
+        doc["untrained"] = [{"call_id": r.call_id, "reason": r.reason} for r in sealed.untrained]
     return json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
 
 

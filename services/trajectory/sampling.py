@@ -26,7 +26,10 @@ preferred over branches with a context of their own (e.g. a fresh sub-agent); wi
 nothing shared (or without a tree) the seeded hash decides. Everything
 depends only on the tree's tokens and the seed, so the choice is the same on replay and
 whatever the calls' arrival order. Branches that end in an undelivered call (a broken
-stream that was sent again) are left out unless ``include_undelivered``.
+stream that was sent again) are left out unless ``include_undelivered``. A branch whose
+last call is context only (its behaviour logprobs were no log-probabilities, see
+``tree.py``) comes after every other branch, whatever its role, except as the main line:
+its own output is never trained.
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ class Branch:
     role: BranchRole
     n_tokens: int
     delivered: bool
+    # False when the call that ends it is context only (tree.py untrainable_reason): its
+    # own output is never trained, so it is chosen only after every branch whose end is trained
+    untrained_end: bool = False
 
 
 @dataclass(frozen=True)
@@ -92,7 +98,7 @@ def list_branches(tree: TrajectoryTree, labels: list[CallLabel], *, delivered_on
             continue
         seen.add(end)
         out.append(Branch(end, c, call.call_id, call.rollout_id, labels[c].role,
-                          tree.call_length(c), call.delivered))
+                          tree.call_length(c), call.delivered, bool(tree.placements[c].untrained)))
     return out
 
 
@@ -120,8 +126,8 @@ def select_branches(
             for i, n in enumerate(lens):
                 shared[i] = max(shared[i], n)
 
-    def tier(i: int) -> tuple[int, bool]:
-        return ROLE_PRIORITY.index(branches[i].role), not branches[i].delivered
+    def tier(i: int) -> tuple[bool, int, bool]:
+        return branches[i].untrained_end, ROLE_PRIORITY.index(branches[i].role), not branches[i].delivered
 
     if main_line is not None:
         take(main_line)

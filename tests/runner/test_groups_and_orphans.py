@@ -2,8 +2,9 @@
 outliving its runner.
 
 - A step run again (the runner stopped mid-step; its abandoned rollouts never end, and the
-  trajectory ledger queues a group only once every member is sealed), a task listed twice,
-  or a request sent again while the first runs: each gets groups of its own.
+  trajectory ledger queues a group only once every member is sealed) gets ``re<n>-`` groups,
+  which the scheduler reads as replacing the old ones; a task listed twice, or a request
+  sent again while the first runs, gets ``dup<n>-`` sibling groups, all trained.
 - ``max_parallel`` below 1 stops the runner at start with an error naming the variable
   (0 made every step wait for good).
 - A runner killed hard (SIGKILL) takes its harnesses with it.
@@ -90,10 +91,20 @@ async def test_a_task_listed_twice_and_a_step_asked_twice_at_once_get_groups_of_
     demo = Task("demo", "hi\n", time_limit_s=10)
     both = await asyncio.gather(r.run_step(0, [demo, demo], group_size=2), r.run_step(0, [demo], group_size=2))
     groups = [sorted({o.group_id for o in outcomes}) for outcomes in both]
-    assert groups == [["re1-s0-demo", "s0-demo"], ["re2-s0-demo"]]
+    assert groups == [["dup1-s0-demo", "s0-demo"], ["dup2-s0-demo"]]
     queued = await queued_groups(bus)
-    assert sorted(g.group_id for g in queued) == ["re1-s0-demo", "re2-s0-demo", "s0-demo"]
+    assert sorted(g.group_id for g in queued) == ["dup1-s0-demo", "dup2-s0-demo", "s0-demo"]
     assert {r for g in queued for r in g.rollout_ids} == {o.rollout_id for out in both for o in out}
+    # siblings, not re-runs: the scheduler's demand counts all of them (re<n>- would replace s0-demo)
+    from services.scheduler.demand import Demand
+
+    demand = Demand()
+    for d in [d async for d in bus.read(Context.ROLLOUTS) if isinstance(d.event, RolloutStarted)]:
+        demand.apply(d.event)
+    assert demand.superseded == set() and demand.step_groups[0] == {"s0-demo", "dup1-s0-demo", "dup2-s0-demo"}
+    # once they are done, the step asked for again is a re-run
+    again = await r.run_step(0, [demo], group_size=1)
+    assert {o.group_id for o in again} == {"re1-s0-demo"}
 
 
 @pytest.mark.parametrize("value", ["0", "-1", "abc", "2.5"])
