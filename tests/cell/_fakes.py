@@ -12,8 +12,9 @@ the proxy's KV transfer port taking its time over each session (a slow network).
 ``--enable-weights-cpu-backup``): releasing its memory loses its weights' values, resuming
 gives the memory back, not the values, and it still reports the version it had; a tensor
 update makes it whole. ``PublishedWeights`` is the newest ``WeightsPublished`` and its
-blob. Everything
-else in these tests is real: the embedded engines, the proxy, NATS, the trainer's
+blob. ``RoutingProxy`` is the proxy's admin routes as a set of routed cells (evacuate
+takes the cell out, add puts it in); ``NoSeatWork`` a training seat with nothing to load.
+Everything else in these tests is real: the embedded engines, the proxy, NATS, the trainer's
 join/leave gate.
 """
 
@@ -126,3 +127,26 @@ class PublishedWeights:
         import torch
 
         return self.version, {"w": torch.zeros(2)}
+
+
+class RoutingProxy:
+    def __init__(self) -> None:
+        self.routed: set[str] = set()
+
+    async def evacuate(self, cell: str) -> dict:
+        self.routed.discard(cell)
+        return {"drained": True, "moves": [], "left": []}
+
+    async def add(self, cell: str, url: str, capacity: int) -> None:
+        self.routed.add(cell)
+
+    async def cells(self) -> list[dict]:
+        return [{"name": c} for c in self.routed]
+
+
+class NoSeatWork:
+    async def join(self, version: int) -> None:
+        return None
+
+    async def leave(self) -> None:
+        return None

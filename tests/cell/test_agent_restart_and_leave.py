@@ -22,36 +22,13 @@ from services.cell.adapters import TrainerSeat
 from services.cell.agent import CellAgent
 from services.trainer.gate import GatedWorker
 
-from ._fakes import ForgetfulEngine, PublishedWeights
+from ._fakes import ForgetfulEngine, NoSeatWork, PublishedWeights, RoutingProxy
 
 RUN = "restart"
 
 
-class _Proxy:
-    def __init__(self) -> None:
-        self.routed: set[str] = set()
-
-    async def evacuate(self, cell: str) -> dict:
-        self.routed.discard(cell)
-        return {"drained": True, "moves": [], "left": []}
-
-    async def add(self, cell: str, url: str, capacity: int) -> None:
-        self.routed.add(cell)
-
-    async def cells(self) -> list[dict]:
-        return [{"name": c} for c in self.routed]
-
-
-class _Seat:
-    async def join(self, version: int) -> None:
-        return None
-
-    async def leave(self) -> None:
-        return None
-
-
 def _agent(bus, engine) -> CellAgent:
-    return CellAgent(name="c1", run_id=RUN, bus=bus, proxy=_Proxy(), engine=engine, seat=_Seat(),
+    return CellAgent(name="c1", run_id=RUN, bus=bus, proxy=RoutingProxy(), engine=engine, seat=NoSeatWork(),
                      engine_url="x", latest_weights=PublishedWeights(3))
 
 
@@ -130,7 +107,7 @@ async def test_a_core_leave_that_times_out_joins_the_trainer_again(js_bus) -> No
     sub = await gate.serve(js_bus.nc, RUN)
     try:
         seat = TrainerSeat(js_bus, RUN, "c0", leave_timeout_s=0.5)  # stands for the 240 s default
-        agent = CellAgent(name="c0", run_id=RUN, bus=js_bus, proxy=_Proxy(), engine=_Engine(), seat=seat,
+        agent = CellAgent(name="c0", run_id=RUN, bus=js_bus, proxy=RoutingProxy(), engine=_Engine(), seat=seat,
                           engine_url="x", is_core=True)
         assert (await agent.switch("training")).ok and gate.claiming
         rec = await agent.switch("inference")

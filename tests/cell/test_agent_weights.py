@@ -9,36 +9,13 @@ from __future__ import annotations
 from libs.common.bus.memory import InMemoryBus
 from services.cell.agent import CellAgent
 
-from ._fakes import FailingSeat, ForgetfulEngine, PublishedWeights
+from ._fakes import FailingSeat, ForgetfulEngine, NoSeatWork, PublishedWeights, RoutingProxy
 
 RUN = "weights"
 
 
-class _Proxy:
-    def __init__(self) -> None:
-        self.routed: set[str] = set()
-
-    async def evacuate(self, cell: str) -> dict:
-        self.routed.discard(cell)
-        return {"drained": True, "moves": [], "left": []}
-
-    async def add(self, cell: str, url: str, capacity: int) -> None:
-        self.routed.add(cell)
-
-    async def cells(self) -> list[dict]:
-        return [{"name": c} for c in self.routed]
-
-
-class _Seat:
-    async def join(self, version: int) -> None:
-        return None
-
-    async def leave(self) -> None:
-        return None
-
-
 def _agent(bus, engine, seat=None) -> CellAgent:
-    return CellAgent(name="c1", run_id=RUN, bus=bus, proxy=_Proxy(), engine=engine, seat=seat or _Seat(),
+    return CellAgent(name="c1", run_id=RUN, bus=bus, proxy=RoutingProxy(), engine=engine, seat=seat or NoSeatWork(),
                      engine_url="x", latest_weights=PublishedWeights(3))
 
 
