@@ -9,7 +9,6 @@ left running after a crash.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import json
 import os
 import shutil
@@ -19,6 +18,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from .procs import die_with_parent
 
 
 class NatsServerError(RuntimeError):
@@ -44,14 +45,6 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class EmbeddedNats:
     """Start/stop a loopback nats-server with JetStream. Use as a context manager."""
 
@@ -73,7 +66,7 @@ class EmbeddedNats:
         # its own session: a Ctrl-C in the terminal reaches the owner (which may still need the
         # server, e.g. for `gyre up`'s report), not the server; it stops with its owner
         self.proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=die_with_parent(signal.SIGTERM),
             start_new_session=True,
         )
         log.close()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import logging
 import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+
+from libs.common.procs import die_with_parent
 
 
 @dataclass
@@ -56,16 +57,7 @@ RUNNER_VAR = "GYRE_RUNNER_PID"  # ... and the pid of the runner that started it
 
 log = logging.getLogger(__name__)
 
-try:  # resolved here, not in the forked child (no dynamic loading between fork and exec)
-    _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
-except (OSError, AttributeError):  # not Linux: the start-up sweep is all there is
-    _prctl = None
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_runner() -> None:  # runs in the child between fork and exec
-    if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+_die_with_runner = die_with_parent(signal.SIGKILL)
 
 
 def _environ_of(pid: str) -> list[bytes] | None:
