@@ -17,19 +17,24 @@ each token tagged with the version that produced it). ``pause="in_place"`` does 
 every update (SGLang's pause / update / continue flow).
 
 ``distributed``: the core hosts a gloo broadcast group (rank 0; each cell joins with
-``/init_weights_update_group`` on the first publication) and broadcasts every tensor
-while each cell receives it through ``/update_weights_from_distributed`` (SGLang's
-rendezvous, :func:`services.engine.weights.join_weight_group`; NCCL on GPU clusters is
-the same call with ``backend="nccl"``, not exercised here). The group needs every cell:
-when one cannot join (down, 503, timeout) the publisher stops the rendezvous store at
-once (so the cells still waiting and its own rank fail within moments, and the port is
-free), tells the cells to leave the group, logs which cells failed and why, and
-publishes that version to no cell (``[]``); the core goes on and records
-``WeightsPublished`` with no target cells. A broadcast that fails is torn down the same
-way. The next publication opens a fresh group, so a cell that missed versions gets the
-newest whole model once every cell can join again (a cell that restarts loads the newest
-``WeightsPublished`` blob itself). Joining and each collective are bounded by
-``join_timeout_s``.
+``/init_weights_update_group``) and broadcasts every tensor while each cell receives it
+through ``/update_weights_from_distributed`` (SGLang's rendezvous,
+:func:`services.engine.weights.join_weight_group`; NCCL on GPU clusters is the same call
+with ``backend="nccl"``, not exercised here). A gloo group needs every member, so before
+each publication the core asks every cell's ``/health`` (bounded by ``probe_timeout_s``)
+and the group holds the cells that answer: a cell that is down is left out and the others
+get the version. When the answering cells differ from the group's members (one went down,
+one came back) the group is closed and a new one opened with them; a cell that missed
+versions gets the newest whole model when it joins again (every broadcast carries the whole
+model; a cell that restarts loads the newest ``WeightsPublished`` blob itself). When a cell
+that answers cannot join (503, timeout) the publisher stops the rendezvous store at once
+(so the cells still waiting and its own rank fail within moments, and the port is free),
+tells the cells to leave the group, logs which cell failed first and why, sets that cell
+aside for ``rejoin_after_s`` and opens the group once more without it, in the same
+publication. A broadcast that fails is torn down the same way (the cells whose receive
+failed are set aside). A version that reaches no cell returns ``[]``; the core goes on and
+records ``WeightsPublished`` with no target cells. Joining and each collective are bounded
+by ``join_timeout_s``.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import asyncio
 import json
 import logging
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -69,8 +75,12 @@ class EnginePublisher:
     pause: Literal["none", "in_place"] = "none"  # tensor / disk: pause generation around every update
     keep: int | None = None  # disk mode: newest version folders kept (None: all); see the trainer's keep_weights
     join_timeout_s: float = 120.0  # distributed mode: the rendezvous and every collective
+    probe_timeout_s: float = 5.0  # distributed mode: a cell's /health before each publication
+    rejoin_after_s: float = 60.0  # distributed mode: a cell that failed to join is left out this long
     _group: object = field(default=None, repr=False)
     _store: object = field(default=None, repr=False)
+    _members: tuple[str, ...] = field(default=(), repr=False)  # the cells in the open group, in rank order
+    _benched: dict[str, float] = field(default_factory=dict, repr=False)  # cell -> monotonic time it may rejoin
 
     async def __call__(self, version: int, weights: dict[str, torch.Tensor]) -> list[str]:
         if self.mode == "distributed":
@@ -151,40 +161,88 @@ class EnginePublisher:
         (target / "gyre_weights.json").write_text(json.dumps({"weight_version": version}) + "\n")
         return target
 
+    async def _reachable(self) -> tuple[str, ...]:
+        """The cells that answer ``/health`` now and are not set aside, in configured order."""
+        now = time.monotonic()
+        self._benched = {cell: until for cell, until in self._benched.items() if until > now}
+        asked = [cell for cell in self.clients if cell not in self._benched]
+
+        async def probe(cell: str) -> bool:
+            try:
+                return bool(await asyncio.wait_for(self.clients[cell].health(), self.probe_timeout_s))
+            except Exception:  # a timeout or a client that cannot connect: not reachable
+                return False
+
+        answers = await asyncio.gather(*(probe(cell) for cell in asked))
+        return tuple(cell for cell, ok in zip(asked, answers) if ok)
+
+    def _bench(self, cells, why: str) -> None:
+        until = time.monotonic() + self.rejoin_after_s
+        for cell in cells:
+            self._benched[cell] = until
+            log.warning("%s is left out of the weight broadcast group for %.0f s: %s", cell, self.rejoin_after_s, why)
+
+    async def _ensure_group(self, version: int) -> bool:
+        """Opens (or re-forms) the group with the cells that answer; False: no group."""
+        members = await self._reachable()
+        if self._group is not None and members == self._members:
+            return True
+        if self._group is not None:
+            log.info("v%d: the weight group changes from %s to %s", version, list(self._members), list(members))
+            await self.close()
+        skipped = [cell for cell in self.clients if cell not in members]
+        if skipped:
+            log.warning("v%d is not broadcast to %s: not answering /health or set aside after a failed join",
+                        version, ", ".join(skipped))
+        for attempt in range(2):  # the second without the cell that failed first
+            if not members:
+                log.error("v%d published to no cell: no cell can join the broadcast group", version)
+                return False
+            failed = await self._open_group(members)
+            if not failed:
+                return True
+            cause = next(iter(failed))
+            log.error("v%d: the broadcast group of %s could not open (first failure first: %s)", version,
+                      list(members), "; ".join(f"{cell}: {exc!r}" for cell, exc in failed.items()))
+            if cause in self.clients:
+                self._bench([cause], f"its join failed: {failed[cause]!r}")
+            if cause not in self.clients or attempt:
+                log.error("v%d published to no cell: the broadcast group could not open", version)
+                return False
+            members = tuple(cell for cell in members if cell != cause)
+        return False
+
     async def _broadcast(self, version: int, weights: dict[str, torch.Tensor]) -> list[str]:
-        """The cells that applied the version (a group that cannot open or a failed
-        broadcast: none, the group torn down for the next publication to open afresh; the
-        core goes on)."""
+        """The cells that applied the version (no group or a failed broadcast: none, the
+        group torn down for the next publication to open afresh; the core goes on)."""
         from services.engine.weights import broadcast_rank0
 
-        if self._group is None:
-            failed = await self._open_group()
-            if failed:
-                log.error("v%d published to no cell: the broadcast group could not open (first failure first: %s)",
-                          version,
-                          "; ".join(f"{cell}: {exc!r}" for cell, exc in failed.items()))
-                return []
+        if not await self._ensure_group(version):
+            return []
         names = list(weights)
         tensors = [weights[n].detach().contiguous().cpu() for n in names]
         dtypes = [str(t.dtype).removeprefix("torch.") for t in tensors]
         shapes = [list(t.shape) for t in tensors]
-        group = self._group
+        group, members = self._group, self._members
 
         def send() -> None:
             for t in tensors:
                 broadcast_rank0(group, t)
 
-        receives = [c.update_weights_from_distributed(names, dtypes, shapes, self.group_name,
-                                                      weight_version=str(version)) for c in self.clients.values()]
+        receives = [self.clients[cell].update_weights_from_distributed(names, dtypes, shapes, self.group_name,
+                                                                       weight_version=str(version))
+                    for cell in members]
         sent, *received = await asyncio.gather(asyncio.to_thread(send), *receives, return_exceptions=True)
         if isinstance(sent, BaseException):  # the group itself failed: no cell has this version
             log.error("broadcasting v%d failed: %r (cells: %s); the next publication opens a new group", version,
                       sent, ", ".join(f"{cell}: {'ok' if not isinstance(a, BaseException) else repr(a)}"
-                                      for cell, a in zip(self.clients, received)))
+                                      for cell, a in zip(members, received)))
+            self._bench([cell for cell, a in zip(members, received) if isinstance(a, BaseException)],
+                        f"its receive of v{version} failed")
             await self.close()  # a broken group is never reused
             return []
         done = []
-        for cell, answer in zip(self.clients, received):  # a cell may refuse (e.g. reject mode) or fail alone
+        for cell, answer in zip(members, received):  # a cell may refuse (e.g. reject mode) or fail alone
             if isinstance(answer, BaseException):
                 log.warning("v%d broadcast but not applied on %s: %r", version, cell, answer)
             else:
@@ -197,20 +255,22 @@ class EnginePublisher:
             return
         from services.engine.weights import leave_weight_group
 
-        group, self._group, self._store = self._group, None, None
+        group, self._group, self._store, self._members = self._group, None, None, ()
         await self._leave_cells(self.clients)
         leave_weight_group(group)
 
     async def _leave_cells(self, cells) -> None:
-        for cell in cells:
+        async def leave(cell: str) -> None:
             try:
                 await asyncio.wait_for(self.clients[cell].destroy_weights_update_group(self.group_name),
                                        self.join_timeout_s)
             except Exception as exc:  # the cell may be gone already, or never joined
                 log.warning("leaving the weight group on %s failed: %r", cell, exc)
 
-    async def _open_group(self) -> dict[str, BaseException]:
-        """Opens the group with every cell; returns the cells that could not join (empty:
+        await asyncio.gather(*(leave(cell) for cell in cells))  # one hung cell does not hold the others
+
+    async def _open_group(self, members: tuple[str, ...]) -> dict[str, BaseException]:
+        """Opens the group with ``members``; returns the cells that could not join (empty:
         the group is open). On any failure nothing is left open here: the store this rank
         hosts is stopped at once, which makes every rank still waiting in the rendezvous
         fail within moments, and the cells that did join are told to leave."""
@@ -219,7 +279,7 @@ class EnginePublisher:
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=self.join_timeout_s)
-        world = 1 + len(self.clients)
+        world = 1 + len(members)
         try:  # hosted here, apart from this rank's own connection, so that it can be stopped
             server = dist.TCPStore(self.master_address, self.master_port, is_master=True,
                                    wait_for_workers=False, timeout=timeout, multi_tenant=False)
@@ -268,11 +328,11 @@ class EnginePublisher:
 
         port, order = hosted[0].port, []  # order: the ranks as they failed (the first is the cause)
         opened, *joined = await asyncio.gather(
-            asyncio.to_thread(rank0), *(join(1 + i, c) for i, c in enumerate(self.clients.values())),
+            asyncio.to_thread(rank0), *(join(1 + i, self.clients[c]) for i, c in enumerate(members)),
             return_exceptions=True)
-        failed = {cell: exc for cell, exc in zip(self.clients, joined) if isinstance(exc, BaseException)}
+        failed = {cell: exc for cell, exc in zip(members, joined) if isinstance(exc, BaseException)}
         if not failed and not isinstance(opened, BaseException):
-            self._group, self._store = opened, hosted[0]
+            self._group, self._store, self._members = opened, hosted[0], members
             return {}
         stop()
         if isinstance(opened, BaseException):
@@ -285,5 +345,5 @@ class EnginePublisher:
         # core that restarted, a join that timed out here but succeeded there) refuses every
         # join until it leaves; a cell with no group just says so
         await self._leave_cells(list(self.clients))
-        names = ["(rank 0)", *self.clients]
+        names = ["(rank 0)", *members]
         return {names[r]: failed[names[r]] for r in order if names[r] in failed} | failed

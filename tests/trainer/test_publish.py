@@ -68,7 +68,8 @@ async def test_a_released_cell_is_skipped_without_a_warning(engine, caplog):
     await client.aclose()
 
 def test_distributed_publication_over_gloo(engine, tmp_path):
-    """The core (a second process: one gloo rank each) broadcasts; the engine receives."""
+    """The core (a second process: one gloo rank each) broadcasts; the engine receives. A
+    second configured cell that is down is left out of the group instead of blocking it."""
     import os
     import socket
     import subprocess
@@ -89,6 +90,9 @@ def test_distributed_publication_over_gloo(engine, tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    with socket.socket() as s:  # a port nobody listens on: the down cell
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(service.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -97,7 +101,7 @@ def test_distributed_publication_over_gloo(engine, tmp_path):
     try:
         root = Path(__file__).resolve().parents[2]
         proc = subprocess.run([sys.executable, "-m", "tests.trainer.dist_publisher", f"http://127.0.0.1:{port}",
-                               "secret", str(tmp_path / "w.safetensors"), "5"], cwd=root, capture_output=True,
+                               "secret", str(tmp_path / "w.safetensors"), "5", f"http://127.0.0.1:{dead}"], cwd=root, capture_output=True,
                               text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
     finally:
         server.should_exit = True
@@ -145,10 +149,13 @@ async def test_an_engine_that_refuses_updates_while_generating_is_paused_in_plac
 
 
 class _DownCell:
-    """A cell that cannot join (answers 503 at once)."""
+    """A cell that answers /health but cannot join (answers 503 at once)."""
 
     def __init__(self):
         self.joins, self.left = 0, 0
+
+    async def health(self):
+        return True
 
     async def init_weights_update_group(self, *a, **k):
         from services.engine.client import CellError
@@ -163,13 +170,16 @@ class _DownCell:
 
 class _WaitingCell(_DownCell):
     """A cell that reaches the rendezvous store and waits there for the others (as a cell's
-    join does while one rank is missing); it fails only when the store goes away."""
+    join does while one rank is missing); it fails only when the store goes away. After its
+    first join it is down (503 at once)."""
 
     async def init_weights_update_group(self, address, port, rank, world, name, backend="gloo"):
         import datetime
 
         import torch.distributed as dist
 
+        if self.joins:
+            return await super().init_weights_update_group()
         self.joins += 1
 
         def wait() -> None:
@@ -187,10 +197,11 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-async def test_a_cell_that_cannot_join_the_broadcast_group_publishes_to_nobody_at_once(caplog, monkeypatch):
-    """One cell down must not stop the core: nothing raises, no cell is published to, the
-    store's port is freed and every waiting rank released within moments (not at the
-    60 s timeout), and the next publication tries a fresh group."""
+async def test_a_cell_that_cannot_join_is_set_aside_and_the_group_retried_without_it(caplog, monkeypatch):
+    """A cell that answers /health but cannot join must not stop the core: nothing raises,
+    the store's port is freed and every waiting rank released within moments (not at the
+    60 s timeout), the failing cell is set aside and the group tried again without it in
+    the same publication; set-aside cells are asked again after rejoin_after_s."""
     import logging
     import time
 
@@ -207,21 +218,76 @@ async def test_a_cell_that_cannot_join_the_broadcast_group_publishes_to_nobody_a
 
     monkeypatch.setattr(dist, "TCPStore", recording)
     down, waiting = _DownCell(), _WaitingCell()
-    publish = EnginePublisher({"cell-a": waiting, "cell-b": down}, mode="distributed", join_timeout_s=60.0)
+    publish = EnginePublisher({"cell-a": waiting, "cell-b": down}, mode="distributed", join_timeout_s=60.0,
+                              rejoin_after_s=600.0)
     weights = {"w": torch.ones(4)}
     started = time.monotonic()
-    with caplog.at_level(logging.ERROR, logger="services.trainer.publish"):
+    with caplog.at_level(logging.WARNING, logger="services.trainer.publish"):
         assert await publish(3, weights) == []
     assert time.monotonic() - started < 15
     assert publish._group is None and publish._store is None
-    assert stores and not _listening(stores[0])
-    message = caplog.records[-1].getMessage()
-    assert "v3 published to no cell" in message and "cell-b: CellError('503" in message.split(";")[0]
-    # every cell is told to leave, the failed one too: one holding a group of ours from before
-    # (a restarted core, a join that timed out here but not there) refuses every join until then
-    assert down.left == 1 and waiting.left == 1
-    assert await publish(4, weights) == []  # tries again with a new group, still without raising
-    assert down.joins == 2 and waiting.joins == 2 and len(stores) == 2
+    assert len(stores) == 2 and not any(_listening(port) for port in stores)
+    messages = [r.getMessage() for r in caplog.records]
+    first = next(m for m in messages if "could not open" in m and "['cell-a', 'cell-b']" in m)
+    assert "cell-b: CellError('503" in first.split("(first failure first: ")[1].split(";")[0]
+    assert any("cell-b is left out" in m for m in messages) and any("cell-a is left out" in m for m in messages)
+    assert "v3 published to no cell" in messages[-1]
+    # every cell is told to leave after each failed opening, the failed one too: one holding
+    # a group of ours from before (a restarted core, a join that timed out here but not
+    # there) refuses every join until then
+    assert down.joins == 1 and waiting.joins == 2 and down.left == 2 and waiting.left == 2
+    assert await publish(4, weights) == []  # both set aside: nobody is asked to join
+    assert down.joins == 1 and waiting.joins == 2 and len(stores) == 2
+    publish._benched = dict.fromkeys(publish._benched, time.monotonic() - 1)  # as if rejoin_after_s passed
+    assert await publish(5, weights) == []  # both asked again, then the one that did not fail first
+    assert down.joins >= 2 and waiting.joins >= 3 and down.joins + waiting.joins == 6
+    await publish.close()
+
+
+class _Member(_DownCell):
+    """A cell whose /health can be switched off and that applies every broadcast."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.applied = True, []
+
+    async def health(self):
+        if not self.up:
+            raise OSError("connection refused")
+        return True
+
+    async def update_weights_from_distributed(self, names, dtypes, shapes, group, *, weight_version=None):
+        self.applied.append(weight_version)
+        return {"success": True}
+
+
+async def test_the_group_holds_the_cells_that_answer_and_reforms_when_one_returns(monkeypatch):
+    from services.engine import weights as engine_weights
+
+    monkeypatch.setattr(engine_weights, "broadcast_rank0", lambda group, tensor: None)
+    monkeypatch.setattr(engine_weights, "leave_weight_group", lambda group: None)
+    a, b = _Member(), _Member()
+    b.up = False
+    publish = EnginePublisher({"cell-a": a, "cell-b": b}, mode="distributed")
+    opened = []
+
+    async def open_group(members):
+        opened.append(members)
+        publish._group, publish._store, publish._members = object(), "store", members
+        return {}
+
+    monkeypatch.setattr(publish, "_open_group", open_group)
+    weights = {"w": torch.ones(2)}
+    assert await publish(1, weights) == ["cell-a"]  # the down cell is left out, the other gets it
+    assert await publish(2, weights) == ["cell-a"]
+    assert opened == [("cell-a",)]  # the same members: the open group is reused
+    b.up = True
+    assert await publish(3, weights) == ["cell-a", "cell-b"]  # back: a new group with both
+    assert opened == [("cell-a",), ("cell-a", "cell-b")] and a.left == 1 and b.left == 1
+    assert a.applied == ["1", "2", "3"] and b.applied == ["3"]
+    a.up = False
+    assert await publish(4, weights) == ["cell-b"]
+    assert opened[-1] == ("cell-b",)
     await publish.close()
 
 
@@ -239,12 +305,12 @@ async def test_a_failed_broadcast_drops_the_group_for_the_next_publication(monke
     monkeypatch.setattr(engine_weights, "broadcast_rank0", broken)
     monkeypatch.setattr(engine_weights, "leave_weight_group", left.append)
     cell = Joined()
-    publish = EnginePublisher({"cell-a": cell}, mode="distributed")
+    publish = EnginePublisher({"cell-a": cell}, mode="distributed", rejoin_after_s=0.0)
     opened = []
 
-    async def open_group():
-        opened.append(1)
-        publish._group, publish._store = "group", "store"
+    async def open_group(members):
+        opened.append(members)
+        publish._group, publish._store, publish._members = "group", "store", members
         return {}
 
     monkeypatch.setattr(publish, "_open_group", open_group)
