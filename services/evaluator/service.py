@@ -19,6 +19,7 @@ import json
 import logging
 import math
 import re
+import shutil
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from .adapters import scratch, workspace
 from .adapters.catalog import TaskCatalog, TaskSpecError
 from .adapters.judge_client import JudgeClient, JudgeFailed, JudgeUnreachable
 from .adapters.plugin_scorers import Scorer
-from .adapters.sandbox import Sandbox
+from .adapters.sandbox import SANDBOX_PATH, Sandbox
 from .adapters.snapshot import SnapshotOverLimits, SnapshotRefused, UnpackLimits, UnsafeSnapshot, unpack_snapshot
 from .core.judge import build_messages
 from .core.results import TestReport, parse_junit, parse_outcome_lines
@@ -365,6 +366,11 @@ class Evaluator:
             argv = workspace.pytest_argv(self.settings.python, workdir)
         else:
             argv = [self.settings.python if a == "{python}" else a for a in spec.command]
+            if "/" not in argv[0]:  # a program looked up on PATH: one the host lacks never ran (not a 0)
+                path = env.get("PATH") or SANDBOX_PATH
+                if shutil.which(argv[0], path=path) is None:
+                    raise _RunNotStarted(f"the task's command {argv[0]!r} is not installed on the evaluator's "
+                                         f"host (not found on PATH {path})")
         try:
             run = await self.sandbox.run(
                 argv, workdir=workdir, env=env, limits=spec.limits, readonly=workspace.READONLY,
@@ -395,9 +401,15 @@ class Evaluator:
     def _read_report(self, spec: TaskEvaluatorSpec, workdir: Path) -> TestReport:
         """A custom command's JUnit XML (pytest runs report through their pipe instead)."""
         cap = self.settings.max_result_bytes
-        text = workspace.read_capped(workdir, spec.junit_path or "", cap)
-        if text is None:
+        got = workspace.read_capped(workdir, spec.junit_path or "", cap)
+        if got is None:
             return TestReport(notes=(f"no JUnit XML at {spec.junit_path}",))
+        text, size = got
+        if size > cap:  # the test cases before the cap count; the rest are unknown (missing if the spec names them)
+            report = parse_junit(text, partial=True)
+            return replace(report, notes=(*report.notes, f"the JUnit XML is {size} bytes, over the evaluator's "
+                                                         f"max_result_bytes ({cap}): only its first "
+                                                         f"{len(report.tests)} test case(s) were read"))
         try:
             return parse_junit(text)
         except ValueError as exc:

@@ -35,7 +35,8 @@ async def test_none_pass_when_the_workspace_is_empty_of_code(make_harness):
     h = await make_harness()
     ev = await h.score(calc_spec(weights={}), tar_of({"notes.txt": "I ran out of time"}))
     assert isinstance(ev, RolloutScored) and ev.score == 0.0
-    assert outcomes(ev) == {"test_calc.py": "error"}  # the one file that could not be collected
+    # the file could not be collected: each test it defines is an error
+    assert outcomes(ev) == {f"test_calc.py::test_{n}": "error" for n in ("add", "mul", "div")}
 
 
 async def test_collection_error_is_scored_zero_with_the_reason(make_harness):
@@ -146,3 +147,53 @@ async def test_a_test_file_that_cannot_import_does_not_zero_the_others(make_harn
     assert ev.score == 0.5
     assert outcomes(ev)["test_a.py::test_add"] == "passed"
     assert "collection error: test_b.py" in ev.reason
+
+
+async def test_a_module_skipped_while_collecting_counts_its_tests_as_not_passed(make_harness):
+    """pytest.importorskip of a module the agent never wrote, or agent code calling
+    pytest.skip at import, must not make a hidden file's tests vanish from the total (half
+    the work would score 1.0); and not writing a module never beats writing it badly."""
+    h = await make_harness()
+    a = dedent_bytes("""
+        from calc import add
+        def test_add():
+            assert add(2, 3) == 5
+    """)
+    optional = dedent_bytes("""
+        import pytest
+        b = pytest.importorskip("b")
+        def test_g1():
+            assert b.g() == 2
+        def test_g2():
+            assert b.g() == 2
+    """)
+    spec = calc_spec("skips", hidden_files={"test_a.py": a, "test_b.py": optional}, weights={})
+    ev = await h.score(spec, tar_of({"calc.py": CALC_OK}), timed_out=True)
+    assert isinstance(ev, RolloutScored), ev
+    assert outcomes(ev) == {"test_a.py::test_add": "passed", "test_b.py::test_g1": "error",
+                            "test_b.py::test_g2": "error"}
+    assert ev.score == 1 / 3 and "test_b.py: skipped while collecting" in ev.reason
+    skipping = tar_of({"calc.py": CALC_OK, "b.py": "import pytest\npytest.skip('no', allow_module_level=True)\n"})
+    ev = await h.score(spec, skipping)
+    assert isinstance(ev, RolloutScored) and ev.score == 1 / 3, ev
+    four = dedent_bytes("""
+        from b import g
+        import pytest
+        def test_1(): assert g(1) == 1
+        @pytest.mark.parametrize("x", [2, 3, 4])
+        def test_more(x): assert g(x) == x * x
+    """)
+    spec = calc_spec("unwritten", hidden_files={"test_a.py": a, "test_b.py": four}, weights={})
+    missing = await h.score(spec, tar_of({"calc.py": CALC_OK}), timed_out=True)
+    wrong = await h.score(spec, tar_of({"calc.py": CALC_OK, "b.py": "def g(x):\n    return x\n"}))
+    assert missing.score == 1 / 5 and wrong.score == 2 / 5, (missing.reason, wrong.reason)
+
+
+async def test_a_command_the_host_lacks_never_ran_it_is_not_a_zero(make_harness):
+    """In namespaces/uid mode the wrapper would start and exit 127: no JUnit XML, a 0 for
+    the agent. The evaluator's host missing the program is the tests not running."""
+    h = await make_harness()
+    spec = calc_spec("npm", weights={}, command=["gyre-no-such-program", "test"], junit_path="r.xml")
+    ev = await h.score(spec, tar_of({"calc.py": CALC_OK}))
+    assert isinstance(ev, RolloutScoringFailed), ev
+    assert "'gyre-no-such-program' is not installed on the evaluator's host" in ev.reason

@@ -12,6 +12,7 @@ from services.evaluator.core.scoring import (
     Combined,
     SandboxRun,
     combine,
+    declared_tests,
     failed_event,
     score_tests,
     scored_event,
@@ -62,6 +63,39 @@ def test_collection_error_scores_zero_with_the_reason():
     # Tests the spec names inside the broken file are "missing", not one lump error.
     named = score_tests(spec(weights={"test_a.py::x": 1, "test_a.py::y": 1}), report, RUN)
     assert sorted(o.outcome for o in named.outcomes) == ["missing", "missing"]
+
+
+def test_an_uncollectable_file_counts_each_test_it_defines():
+    source = b"""
+import pytest
+from b import g
+
+def test_one(): pass
+
+@pytest.mark.parametrize("x", [1, 2, 3])
+@pytest.mark.parametrize("y", (1, 2))
+async def test_grid(x, y): pass
+
+@pytest.mark.parametrize("x", CASES)
+def test_opaque(x): pass
+
+def helper(): pass
+
+class TestThing:
+    def test_inside(self): pass
+    def other(self): pass
+
+class Helper:
+    def test_not_collected(self): pass
+"""
+    assert declared_tests(source) == [("test_one", 1), ("test_grid", 6), ("test_opaque", 1),
+                                      ("TestThing::test_inside", 1)]
+    assert declared_tests(b"def broken(:") == [] and declared_tests(None) == []
+    s = TaskEvaluatorSpec(task_id="t", hidden_files={"test_b.py": source}, weights={"test_b.py::test_one": 3.0})
+    report = TestReport(collection_errors=(("test_b.py", "ModuleNotFoundError: No module named 'b'"),), finished=True)
+    by_name = {o.name: (o.outcome, o.weight) for o in score_tests(s, report, RUN).outcomes}
+    assert by_name == {"test_b.py::test_one": ("missing", 3.0), "test_b.py::test_grid": ("error", 6.0),
+                       "test_b.py::test_opaque": ("error", 1.0), "test_b.py::TestThing::test_inside": ("error", 1.0)}
 
 
 def test_no_results_at_all_says_so():
@@ -143,3 +177,39 @@ def test_events_carry_partial_flag_and_a_deterministic_id():
     assert ev.causation_id == timed_out.event_id
     fail = failed_event(finished, "unknown task 'x'")
     assert isinstance(fail, RolloutScoringFailed) and not fail.partial and fail.reason == "unknown task 'x'"
+
+
+def test_long_test_ids_stay_distinct():
+    """Two honest parametrized ids that share their first 500 characters are two tests,
+    not one "started again" (which reads as tampering and scores 0)."""
+    import json
+
+    a, b = "t.py::test_x[" + "a" * 600 + "1]", "t.py::test_x[" + "a" * 600 + "2]"
+    lines = [{"e": "session"}, {"e": "item", "id": a}, {"e": "item", "id": b}, {"e": "collected", "n": 2},
+             {"e": "start", "id": a}, {"e": "test", "id": a, "outcome": "passed"},
+             {"e": "start", "id": b}, {"e": "test", "id": b, "outcome": "failed"}, {"e": "finish", "status": 1}]
+    report = parse_outcome_lines("\n".join(json.dumps(x) for x in lines))
+    assert not report.tampering
+    names = [t.name for t in report.tests]
+    assert len(set(names)) == 2 and all(len(n) < 500 and n.startswith("t.py::test_x[aaa") for n in names)
+    assert score_tests(spec(), report, RUN).score == 0.5
+
+
+def test_junit_over_the_cap_keeps_the_test_cases_read_and_says_so(tmp_path):
+    from services.evaluator.service import Evaluator
+    from services.evaluator.settings import EvaluatorSettings
+
+    cases = "".join(f'<testcase classname="t" name="test_{i}"><system-out>{"x" * 200}</system-out></testcase>'
+                    for i in range(100))
+    (tmp_path / "report.xml").write_text(f"<testsuite>{cases}</testsuite>")
+    junit = TaskEvaluatorSpec(task_id="j", command=["true"], junit_path="report.xml",
+                              weights={"t::test_99": 1.0})
+    owner = type("Owner", (), {"settings": EvaluatorSettings(max_result_bytes=4096)})()
+    report = Evaluator._read_report(owner, junit, tmp_path)
+    read = len(report.tests)
+    assert 0 < read < 100 and all(t.outcome == "passed" for t in report.tests)
+    v = score_tests(junit, report, RUN)
+    assert v.score == read / (read + 1)  # the named test past the cap is missing
+    assert f"over the evaluator's max_result_bytes (4096): only its first {read} test case(s) were read" in v.reason
+    whole = Evaluator._read_report(type("Owner", (), {"settings": EvaluatorSettings()})(), junit, tmp_path)
+    assert len(whole.tests) == 100 and not whole.notes

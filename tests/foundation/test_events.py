@@ -140,3 +140,21 @@ def test_call_recorded_v1_is_read_and_think_stripped_needs_v2() -> None:
     new = ev.CallRecorded(**{**fields, "drift": "think_stripped"})
     assert json.loads(new.to_json())["schema_version"] == ev.CallRecorded.SCHEMA_VERSION == 2
     assert ev.decode(new.to_json()) == new
+
+
+def test_text_utf8_cannot_carry_is_published_escaped_not_refused() -> None:
+    """A lone surrogate (a non-UTF-8 file name decoded with surrogateescape, a "\\udcff" escape
+    in a client's JSON) must not make an event unpublishable: it would be lost."""
+    from libs.common.events.envelope import encodable_text
+
+    assert encodable_text("plain é") == "plain é"
+    assert encodable_text("venv-\udcff") == "venv-\\xff"  # an escaped byte: shown as the byte
+    assert encodable_text("a\ud800b\udcff") == "a\\ud800b\\udcff"  # not all escaped bytes: code points
+    event = ev.RolloutScored(run_id="r", rollout_id="x", score=0.5, reason="link -> /opt/v-\udcff",
+                             tests=[ev.TestOutcome(name="t\udcff", outcome="failed", message="m\ud83d")])
+    back = ev.decode(event.to_json())
+    assert back.event_id == event.event_id and back.score == 0.5
+    assert back.reason == "link -> /opt/v-\\xff"
+    assert (back.tests[0].name, back.tests[0].message) == ("t\\xff", "m\\ud83d")
+    plain = ev.RolloutScored(run_id="r", rollout_id="x", score=0.5)
+    assert plain.to_json() == ev.decode(plain.to_json()).to_json()

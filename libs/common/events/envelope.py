@@ -20,6 +20,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic_core import PydanticSerializationError
 
 # Ids that end up as NATS subject tokens: no dots, wildcards or whitespace.
 _TOKEN_RE = r"^[A-Za-z0-9_\-:]{1,128}$"
@@ -101,7 +102,14 @@ class Event(BaseModel):
         }
 
     def to_json(self) -> bytes:
-        body = self.model_dump_json()
+        """The wire form. Text that UTF-8 cannot carry (lone surrogates: a non-UTF-8 file
+        name decoded with ``surrogateescape``, a ``"\\udcff"`` escape in a client's JSON)
+        is written escaped (``\\xff``, ``\\ud800``) rather than failing the publish, which
+        would lose the event."""
+        try:
+            body = self.model_dump_json()
+        except PydanticSerializationError:
+            body = type(self).model_validate(_encodable(self.model_dump(mode="json"))).model_dump_json()
         return (f'{{"type":"{self.TYPE}","schema_version":{self.SCHEMA_VERSION},' + body[1:]).encode()
 
     def payload(self) -> dict[str, Any]:
@@ -110,3 +118,27 @@ class Event(BaseModel):
         for k in ("event_id", "run_id", "time", "causation_id", "correlation_id"):
             data.pop(k, None)
         return data
+
+
+def encodable_text(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a surrogate-escaped byte becomes ``\\xNN``, any
+    other lone surrogate ``\\uDxxx``; text that encodes is returned as it is."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _encodable(value: Any) -> Any:
+    if isinstance(value, str):
+        return encodable_text(value)
+    if isinstance(value, dict):
+        return {_encodable(k): _encodable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_encodable(v) for v in value]
+    return value

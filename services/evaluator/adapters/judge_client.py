@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from libs.common.events.envelope import encodable_text
+
 from ..core.judge import JudgeReplyError, parse_judge_score
 
 
@@ -69,6 +71,9 @@ class JudgeClient:
     async def _once(self, messages: list[dict[str, str]]) -> float:
         cfg = self.config
         headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+        # text UTF-8 cannot carry (a non-UTF-8 file name in the workspace listing) is sent
+        # escaped: httpx would refuse to encode the body, and the rollout be unscorable
+        messages = [{k: encodable_text(v) if isinstance(v, str) else v for k, v in m.items()} for m in messages]
         body = {"model": cfg.model, "messages": messages, "temperature": cfg.temperature, "max_tokens": cfg.max_tokens}
         try:
             resp = await self._client.post(

@@ -196,8 +196,14 @@ def pytest_runtest_logfinish(nodeid, location):
 
 
 def pytest_collectreport(report):
-    if report.failed:
-        _write({"e": "collect_error", "id": report.nodeid or "<session>", "msg": _short(report)})
+    # a module skipped while it is collected (pytest.importorskip of a module the agent never
+    # wrote, or agent code calling pytest.skip at import) would otherwise vanish from the total
+    if report.failed or (report.skipped and report.nodeid):
+        longrepr = getattr(report, "longrepr", None)
+        msg = str(longrepr[2]) if report.skipped and isinstance(longrepr, tuple) and len(longrepr) == 3 \
+            else _short(report)
+        _write({"e": "collect_error", "id": report.nodeid or "<session>",
+                "msg": msg if report.failed else "skipped while collecting: " + msg})
 
 
 def pytest_sessionfinish(session, exitstatus):

@@ -434,7 +434,10 @@ def _open_up(root: Path, keep: Sequence[str]) -> None:
                     os.chmod(path, 0o755 if st.st_mode & 0o100 else 0o644)
 
 
+SANDBOX_PATH = "/usr/local/bin:/usr/bin:/bin"  # a sandboxed run's PATH unless its environment names one
+
+
 def _clean_env(extra: dict[str, str]) -> dict[str, str]:
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
+    env = {"PATH": SANDBOX_PATH, "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8"}
     env.update(extra)
     return env

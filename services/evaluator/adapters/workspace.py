@@ -7,6 +7,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from libs.common.events.envelope import encodable_text
 from libs.common.fs import remove_tree  # noqa: F401 (also the service's: workspace.remove_tree)
 
 from ..core.spec import HIDDEN_DIR, TaskEvaluatorSpec
@@ -188,8 +189,9 @@ def sandbox_env(workdir: Path, control: Path) -> dict[str, str]:
     }
 
 
-def read_capped(root: Path, rel: str, cap: int) -> str | None:
-    """A result file's text (at most ``cap`` bytes), None if absent or not a plain file.
+def read_capped(root: Path, rel: str, cap: int) -> tuple[str, int] | None:
+    """A result file's text (at most ``cap`` bytes) and its whole size in bytes, None if
+    absent or not a plain file.
 
     The sandbox owned the folder, so no part of the path is trusted: every component is
     opened without following links, and a FIFO cannot make the read block.
@@ -212,9 +214,10 @@ def read_capped(root: Path, rel: str, cap: int) -> str | None:
     finally:
         os.close(fd)
     with os.fdopen(file_fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
             return None
-        return f.read(cap).decode("utf-8", "replace")
+        return f.read(cap).decode("utf-8", "replace"), info.st_size
 
 
 def describe(workdir: Path, *, budget: int = 24_000, max_files: int = 200) -> str:
@@ -226,7 +229,7 @@ def describe(workdir: Path, *, budget: int = 24_000, max_files: int = 200) -> st
         dirnames[:] = sorted(d for d in dirnames if d not in _SKIP)
         for name in sorted(filenames):
             path = Path(dirpath) / name
-            rel = path.relative_to(workdir).as_posix()
+            rel = encodable_text(path.relative_to(workdir).as_posix())  # a non-UTF-8 name: escaped
             if len(listing) >= max_files or path.is_symlink():
                 continue
             size = path.stat().st_size

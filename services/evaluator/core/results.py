@@ -8,6 +8,7 @@ trusts them: bad lines are skipped, sizes are capped by the caller.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
@@ -71,7 +72,7 @@ def parse_outcome_lines(text: str) -> TestReport:
         if not isinstance(rec, dict):
             bad += 1
             continue
-        kind, node = rec.get("e"), str(rec.get("id", ""))[:500]
+        kind, node = rec.get("e"), short_id(str(rec.get("id", "")))
         if kind not in _KINDS or (kind == "test" and rec.get("outcome") not in _OUTCOMES):
             bad += 1
             continue
@@ -120,14 +121,32 @@ def parse_outcome_lines(text: str) -> TestReport:
                       started=session, collected=collected, tampering=tuple(tampering))
 
 
-def parse_junit(xml_text: str) -> TestReport:
-    """JUnit XML (``<testsuite>`` or ``<testsuites>``) as a report; raises ValueError if unreadable."""
+def short_id(node: str, limit: int = 500) -> str:
+    """A test id kept to ``limit`` characters that stays unique: a longer one keeps its
+    start and ends in a digest of the whole id (two parametrized ids that share their first
+    ``limit`` characters stay two tests, not one "started again")."""
+    if len(node) <= limit:
+        return node
+    return f"{node[:limit - 20]}...{hashlib.sha256(node.encode('utf-8', 'surrogatepass')).hexdigest()[:16]}"
+
+
+def parse_junit(xml_text: str, *, partial: bool = False) -> TestReport:
+    """JUnit XML (``<testsuite>`` or ``<testsuites>``) as a report; raises ValueError if
+    unreadable. ``partial``: the text is the start of a longer file; the test cases complete
+    before it ends are read, and nothing raises."""
+    parser = ET.XMLPullParser(events=("end",))
+    cases: list[ET.Element] = []
     try:
-        root = ET.fromstring(xml_text)
+        parser.feed(xml_text)
+        if not partial:
+            parser.close()
+        cases.extend(el for _event, el in parser.read_events() if el.tag == "testcase")
     except ET.ParseError as exc:
-        raise ValueError(f"unreadable JUnit XML: {exc}") from exc
+        if not partial:
+            raise ValueError(f"unreadable JUnit XML: {exc}") from exc
+        cases.extend(el for _event, el in parser.read_events() if el.tag == "testcase")
     tests: dict[str, ObservedTest] = {}
-    for case in root.iter("testcase"):
+    for case in cases:
         cls, name = case.get("classname", ""), case.get("name", "")
         node = f"{cls}::{name}" if cls else name
         outcome: Outcome = "passed"

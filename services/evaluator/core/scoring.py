@@ -3,13 +3,17 @@
 Score of the tests = (sum of the weights of passed tests) / (sum of all weights), where
 "all" is every test seen, every test collected or named by the spec that the run never
 reported (``missing``), the test that was running when the run was stopped (``error``),
-and each file that could not be collected (``error``, unless the spec names tests in it:
-those are then ``missing``). Skipped tests count as not passed: agent code could skip
-them. Results the agent's code tampered with score 0 (``TestsVerdict.tampered``).
+and each file that could not be collected or was skipped while collecting (each test
+function the hidden file defines is then an ``error``, weighted by its literal
+``parametrize`` cases, so leaving a module unwritten never scores above writing it
+badly; tests the spec names in it are ``missing``; a file with no test function found
+counts as one ``error``). Skipped tests count as not passed: agent code could skip them.
+Results the agent's code tampered with score 0 (``TestsVerdict.tampered``).
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 from collections import Counter
@@ -75,7 +79,16 @@ def score_tests(spec: TaskEvaluatorSpec, report: TestReport, run: SandboxRun) ->
             seen.add(name)
     for node, _msg in report.collection_errors:
         named_inside = any(k.startswith(node + "::") for k in spec.weights)
-        if node not in seen and not named_inside:
+        defined = declared_tests(spec.hidden_files.get(node))
+        for name, cases in defined:
+            full = f"{node}::{name}"
+            if full in seen or any(k == full or k.startswith(full + "[") or k.startswith(full + "::")
+                                   for k in spec.weights):
+                continue  # reported, or named by the spec (then already missing above)
+            outcomes.append(TestOutcome(name=full, outcome="error", weight=spec.default_weight * cases,
+                                        message=f"{node} was not collected" + (f" ({cases} cases)" if cases > 1 else "")))
+            seen.add(full)
+        if not defined and node not in seen and not named_inside:
             outcomes.append(TestOutcome(name=node, outcome="error", weight=spec.default_weight))
             seen.add(node)
     if report.tampering:
@@ -91,6 +104,40 @@ def score_tests(spec: TaskEvaluatorSpec, report: TestReport, run: SandboxRun) ->
     passed = sum(o.weight for o in outcomes if o.outcome == "passed")
     score = passed / total if total > 0 else 0.0
     return TestsVerdict(score, tuple(outcomes), _tests_reason(report, run, outcomes, score))
+
+
+def declared_tests(source: bytes | None) -> list[tuple[str, int]]:
+    """The test functions a hidden test file defines, read without running it: (pytest's
+    name inside the file, number of cases) for each ``test*`` function at module level and
+    in ``Test*`` classes; a function's cases are the product of its ``parametrize``
+    decorators whose values are a literal list or tuple (1 otherwise). [] for no source or
+    a file that does not parse."""
+    if not source:
+        return []
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    found: list[tuple[str, int]] = []
+
+    def functions(body, prefix: str) -> None:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name.startswith("test"):
+                found.append((prefix + node.name, _cases(node)))
+            elif isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                functions(node.body, f"{prefix}{node.name}::")
+
+    functions(tree.body, "")
+    return found
+
+
+def _cases(func: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    cases = 1
+    for deco in func.decorator_list:
+        if (isinstance(deco, ast.Call) and isinstance(deco.func, ast.Attribute) and deco.func.attr == "parametrize"
+                and len(deco.args) >= 2 and isinstance(deco.args[1], (ast.List, ast.Tuple))):
+            cases *= max(1, len(deco.args[1].elts))
+    return cases
 
 
 def _tests_reason(report: TestReport, run: SandboxRun, outcomes: list[TestOutcome], score: float) -> str:
