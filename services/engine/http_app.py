@@ -134,10 +134,12 @@ def _control_routes(app: FastAPI, engine: Engine, admin) -> None:
     @app.post("/abort_request", dependencies=[admin])
     async def abort_request(request: Request) -> dict:
         body = await _json_body(request)
-        rid = body.get("rid")
-        if not body.get("abort_all") and not isinstance(rid, str):
+        rid, abort_all = body.get("rid"), body.get("abort_all", False)
+        if not isinstance(abort_all, bool):  # "false" would be truthy: every request aborted
+            raise InvalidRequest(f"abort_all must be true or false, not {abort_all!r}")
+        if not abort_all and not isinstance(rid, str):
             raise InvalidRequest("give rid (a string) or abort_all")
-        rids = None if body.get("abort_all") else [rid]
+        rids = None if abort_all else [rid]
         count = await engine.acall(lambda: engine.abort(rids, "aborted by abort_request"))
         return {"success": True, "num_aborted": count}
 
@@ -172,6 +174,8 @@ def _weight_routes(app: FastAPI, engine: Engine, weights: WeightManager, admin) 
     async def end_weight_update(request: Request) -> dict:
         body = await _json_body(request)
         version = _version(body.get("weight_version"))
+        if not isinstance(body.get("abort", False), bool):
+            raise InvalidRequest(f"abort must be true or false, not {body.get('abort')!r}")
         if body.get("abort") is True:  # Gyre extension: close the window, apply nothing
             weights.end(version, abort=True)
             return {"success": True, "message": "weight update window dropped; nothing applied",
@@ -389,7 +393,8 @@ def _version(value: Any) -> str | None:
 def _tags(value: Any) -> list[str]:
     if value is None:
         return ["weights", "kv_cache"]
-    if not isinstance(value, list) or not set(value) <= {"weights", "kv_cache", "cuda_graph"}:
+    if not isinstance(value, list) or not all(isinstance(t, str) for t in value) \
+            or not set(value) <= {"weights", "kv_cache", "cuda_graph"}:
         raise InvalidRequest("tags must be null or a subset of weights, kv_cache, cuda_graph")
     return [t for t in value if t != "cuda_graph"]
 

@@ -76,7 +76,8 @@ class SamplingParams(BaseModel):
 
     max_new_tokens: Int = Field(default=128, ge=0)
     min_new_tokens: Int = Field(default=0, ge=0)
-    temperature: Float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, allow_inf_nan=False)
+    # bounded by float32's range: logits / a larger one are NaN, and a NaN row samples padding or banned ids
+    temperature: Float = Field(default=DEFAULT_TEMPERATURE, ge=0.0, le=3.0e38, allow_inf_nan=False)
     top_p: Float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: Int = -1  # -1 (or 0): no top-k cut
     min_p: Float = Field(default=0.0, ge=0.0, le=1.0)

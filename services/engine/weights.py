@@ -157,7 +157,14 @@ class WeightManager:
     def check_all(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         checked: dict[str, torch.Tensor] = {}
         for name, tensor in named:
-            checked[self.check(name, tensor.shape, tensor.dtype)] = tensor
+            key = self.check(name, tensor.shape, tensor.dtype)
+            # checked before anything is written: a tensor copy_ cannot read (meta, sparse,
+            # another device) would fail half-way through an update
+            if not isinstance(tensor, torch.Tensor) or tensor.layout is not torch.strided \
+                    or tensor.device.type != "cpu":
+                where = f"{tensor.layout}, {tensor.device}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise WeightUpdateError(f"{name}: a dense CPU tensor is needed, not one that is {where}")
+            checked[key] = tensor
         return checked
 
     # -- applying ----------------------------------------------------------------------
@@ -261,9 +268,16 @@ class WeightManager:
         """Engine thread. Returns how many requests were paused across the update."""
         if "weights" in self.engine.released:  # the parameters are parked on disk: nothing to write into
             raise WeightUpdateError("weights are released; resume_memory_occupation first")
-        with torch.no_grad():
-            for key, tensor in checked.items():
-                self.params[key].data.copy_(tensor.to(torch.float32))
+        try:
+            with torch.no_grad():
+                for key, tensor in checked.items():
+                    self.params[key].data.copy_(tensor.to(torch.float32))
+        except Exception as exc:  # checked above, so not expected; but then no cache may outlive it
+            self.engine.runner.weights_changed()
+            self.engine.weight_generation += 1
+            self.engine.prefix_cache.flush()
+            raise WeightUpdateError(f"weight update failed part-way ({exc}); the weights are mixed, load a whole "
+                                    f"version again") from exc
         self.engine.runner.weights_changed()
         self.engine.weight_generation += 1  # KV of live (paused) sequences is stale from here on
         if weight_version is not None:
@@ -282,7 +296,10 @@ class WeightManager:
             raise WeightUpdateError(f"no safetensors weights at {model_path}")
         named: dict[str, torch.Tensor] = {}
         for file in files:
-            named.update(load_file(str(file)))
+            try:
+                named.update(load_file(str(file)))
+            except Exception as exc:  # not safetensors, truncated, unreadable: nothing applied
+                raise WeightUpdateError(f"cannot read {file} as safetensors: {exc}") from None
         checked = self.check_all(named.items())
         missing = sorted(set(self.params) - set(checked))
         if missing:

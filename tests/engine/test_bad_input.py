@@ -21,6 +21,8 @@ ONE = {"max_new_tokens": 1}
     ({"input_ids": [1, 2], "sampling_params": {**ONE, "sampling_seed": -1, "temperature": 1.0}}, "sampling_seed"),
     ({"input_ids": [1, 2], "sampling_params": {**ONE, "temperature": "NaN"}}, "temperature"),
     ({"input_ids": [1, 2], "sampling_params": {**ONE, "temperature": "inf"}}, "temperature"),
+    # finite, but logits / it overflow float32 to NaN: padding rows and banned ids were sampled
+    ({"input_ids": [1, 2], "sampling_params": {**ONE, "temperature": 1e39}}, "temperature"),
     # no quiet coercion to numbers (pydantic's lax mode made these 1, 7 and 1)
     ({"input_ids": [True, 2], "sampling_params": ONE}, "input_ids.0"),
     ({"input_ids": ["7", 2], "sampling_params": ONE}, "input_ids.0"),
@@ -114,6 +116,10 @@ async def test_the_largest_seed_is_accepted(http):
     ("/abort_request", b'{"rid": ["a"]}'),
     ("/abort_request", b'{"rid": 5}'),
     ("/abort_request", b"{}"),
+    ("/abort_request", b'{"rid": "x", "abort_all": "false"}'),  # a truthy string aborted every request
+    ("/release_memory_occupation", b'{"tags": [[1]]}'),
+    ("/resume_memory_occupation", b'{"tags": [{}]}'),
+    ("/end_weight_update", b'{"abort": "true"}'),
 ])
 async def test_bad_bodies_on_other_routes_are_a_400(http, path, body):
     response = await http.post(path, content=body)

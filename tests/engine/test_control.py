@@ -123,7 +123,9 @@ async def test_bad_disk_updates_are_400_and_keep_old_weights(cell, fresh_service
     missing = {k: v for k, v in original.items() if k != Q0}
     (tmp_path / "partial").mkdir()
     save_file(missing, str(tmp_path / "partial" / "model.safetensors"))
-    for path in (str(tmp_path), str(tmp_path / "partial"), str(tmp_path / "nowhere")):
+    (tmp_path / "junk.safetensors").write_bytes(b"not safetensors at all")
+    for path in (str(tmp_path), str(tmp_path / "partial"), str(tmp_path / "nowhere"),
+                 str(tmp_path / "junk.safetensors")):
         with pytest.raises(CellError) as err:
             await cell.update_weights_from_disk(path, weight_version="9")
         assert err.value.status == 400
@@ -138,6 +140,9 @@ async def test_tensor_updates_check_everything_before_writing(cell, fresh_servic
         [(Q0, good), ("model.layers.0.no_such.weight", good)],
         [(Q0, good), (EMBED, torch.zeros(2, 2))],
         [(Q0, good), (EMBED, original[EMBED].to(torch.int64))],
+        # right name, shape and dtype, but nothing copy_ can read: refused before Q0 is written
+        [(Q0, good), (EMBED, torch.empty(original[EMBED].shape, device="meta"))],
+        [(Q0, good), (EMBED, original[EMBED].to_sparse())],
     ]
     for batch in bad_batches:
         with pytest.raises(CellError) as err:
