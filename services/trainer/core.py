@@ -128,7 +128,11 @@ class CoreTrainer:
         self.bus, self.blobs, self.gradients, self.publish_to_cells = bus, blobs, gradients, publish
         self.optimizer = make_optimizer(backend, settings.train)
         self.state = TrainerState()
+        # the newest version whose checkpoint is on disk and whose weights are out: what the
+        # core's own worker may train on (state.weight_version moves on before the checkpoint)
+        self.published_version = -1
         self.plans: dict[int, _StepPlan] = {}
+        self._applied_here: dict[int, frozenset[str]] = {}  # the last steps this process applied: their micro-steps
         self.reducer = StepReducer(0, 0)
         self._lock = asyncio.Lock()
         # step -> digests of gradient blobs (satellites' micro-steps) read or passed over for
@@ -161,6 +165,7 @@ class CoreTrainer:
         self._weight_blobs = await self._published_weight_blobs()
         await self._publish_pending()  # killed between its checkpoint and publishing it
         await self._publish_weights(cause=None)
+        self.published_version = self.state.weight_version
         self.watch = CompletenessWatch(self.settings.requeue_after_s, max_claims=self.settings.max_claims)  # the step's weights are out
 
     async def _refuse_to_resume_behind_the_log(self, ckpt: Path | None, state: TrainerState) -> None:
@@ -196,13 +201,21 @@ class CoreTrainer:
         checkpoint has and the log lacks (the step's ``StepApplied``, its weights)."""
         await self.start()
         since = self.state.consumed.get("training", 0) + 1
-        tasks = [asyncio.create_task(self._follow(Context.TREES, 1, MicroStepQueued, self.on_queued, stop)),
-                 asyncio.create_task(self._follow(Context.TREES, 1, GroupQueued, self.on_group, stop)),
-                 asyncio.create_task(self._follow(Context.TRAINING, since, MicroStepDone, self.on_done, stop)),
-                 asyncio.create_task(self._follow(Context.TRAINING, since, MicroStepClaimed, self.on_claimed, stop)),
-                 asyncio.create_task(self._follow_dead_letters(stop)),
-                 asyncio.create_task(self._watch(stop))]
-        stopped = asyncio.create_task(stop.wait())
+        # the followers stop on ``halt``: set by ``stop`` and whenever run() ends, so each one
+        # returns at its next message or idle tick even if a library's wait swallowed its cancel
+        halt = asyncio.Event()
+
+        async def relay() -> None:
+            await stop.wait()
+            halt.set()
+
+        tasks = [asyncio.create_task(self._follow(Context.TREES, 1, MicroStepQueued, self.on_queued, halt)),
+                 asyncio.create_task(self._follow(Context.TREES, 1, GroupQueued, self.on_group, halt)),
+                 asyncio.create_task(self._follow(Context.TRAINING, since, MicroStepDone, self.on_done, halt)),
+                 asyncio.create_task(self._follow(Context.TRAINING, since, MicroStepClaimed, self.on_claimed, halt)),
+                 asyncio.create_task(self._follow_dead_letters(halt)),
+                 asyncio.create_task(self._watch(halt))]
+        stopped = asyncio.create_task(relay())
         try:
             while not stop.is_set():
                 done, _ = await asyncio.wait([*tasks, stopped], return_when=asyncio.FIRST_COMPLETED)
@@ -214,13 +227,19 @@ class CoreTrainer:
                 if not stop.is_set() and any(t in done for t in tasks):
                     raise RuntimeError("core: the log stopped being followed before the core was stopped")
         finally:
+            halt.set()
             stopped.cancel()
             async with self._lock:  # let a step being applied finish (update, events, checkpoint)
                 for t in tasks:
                     t.cancel()
-            for t in tasks:
-                t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            pending = set(tasks)
+            while pending:  # bounded: a task whose cancel was lost is cancelled again
+                _, pending = await asyncio.wait(pending, timeout=2.0)
+                for t in pending:
+                    t.cancel()
+            for t in tasks:  # retrieved, so none is logged as never retrieved
+                if not t.cancelled():
+                    t.exception()
 
     async def _follow(self, context: Context, start: int, kind, handler, stop) -> None:
         subject = f"gyre.{self.settings.run_id}.{context.value}.{kind.TYPE}.>"
@@ -247,6 +266,11 @@ class CoreTrainer:
     # -------------------------------------------------------------------- events in
     async def on_queued(self, ev: MicroStepQueued, seq: int = 0) -> None:
         if ev.step < self.state.step:
+            used = self._applied_here.get(ev.step)
+            if used is not None and ev.micro_step not in used:  # not a replay of the log: it came too late
+                log.warning("core: %s (group %s) was queued after step %d was applied (groups_per_step=%s "
+                            "reached): it is not trained", ev.micro_step, ev.group_id, ev.step,
+                            self.settings.groups_per_step)
             return
         plan = self.plans.setdefault(ev.step, _StepPlan())
         plan.queued[ev.micro_step] = ev
@@ -431,6 +455,9 @@ class CoreTrainer:
         # "step s trains on version s" holds and every cell can tell what to wait for.
         self.state.weight_version += 1
         plan = self.plans.pop(self.state.step)
+        self._applied_here[r.step] = frozenset(plan.queued)
+        for old in [k for k in self._applied_here if k < r.step - 3]:
+            del self._applied_here[old]
         cause = plan.cause
         stats["rejected_samples"] = float(len(r.rejected))
         applied_ev = StepApplied(**cause.caused(
@@ -453,6 +480,7 @@ class CoreTrainer:
             await self._delete_spent(r.step)  # only once nothing would read them again
         await self._publish_pending()
         await self._publish_weights(cause)
+        self.published_version = self.state.weight_version
         self.watch.step_opened(self.state.step)  # the new step's weights are out
 
     async def _delete_spent(self, through_step: int) -> None:
@@ -552,17 +580,21 @@ class CoreTrainer:
 
 
 class CoreWeightSource:
-    """The core's own worker reads the core's weights directly (same process)."""
+    """The core's own worker reads the core's weights directly (same process), the version
+    the satellites see too: the newest one checkpointed and published. A step being applied
+    (its update done, its checkpoint being written) is not offered yet, so no micro-step is
+    computed on a version that a core killed meanwhile would not resume from."""
 
     def __init__(self, core: CoreTrainer) -> None:
         self.core = core
 
     async def current_version(self) -> int:
-        return self.core.state.weight_version
+        return self.core.published_version
 
     async def fetch(self, version: int) -> dict[str, torch.Tensor]:
-        if version != self.core.state.weight_version:
-            raise LookupError(f"the core holds v{self.core.state.weight_version}, not v{version}")
+        published, held = self.core.published_version, self.core.state.weight_version
+        if version != published or held != published:  # a step being applied: not these weights any more
+            raise LookupError(f"the core holds v{held} (v{published} published), not v{version}")
         return {k: v.clone() for k, v in self.core.backend.hf_state_dict().items()}
 
 

@@ -146,10 +146,17 @@ async def load_samples(blobs: BlobStore, ev: MicroStepQueued, vocab: int, versio
         return [], [{"digest": d, "reason": "advantages and samples differ in count"} for d in ev.sample_digests]
     for digest, advantage in zip(ev.sample_digests, ev.advantages):
         try:
-            p = decode_packed(await blobs.get(digest))
+            data = await blobs.get(digest)
+        except KeyError as exc:  # not in the store: this sample cannot be trained (other errors: retried)
+            rejected.append({"digest": digest, "reason": f"sample blob missing: {exc}"})
+            continue
+        try:  # pure checks of bytes anyone could have written: whatever they raise rejects the sample
+            p = decode_packed(data)
             validate_sample(p, advantage, vocab)
             _check_staleness(p, version, max_staleness)
-        except (BadSample, CodecError, KeyError, ValueError) as exc:
+        except Exception as exc:
+            if not isinstance(exc, (BadSample, CodecError, ValueError)):
+                log.warning("sample %s of %s rejected: %r", digest[:12], ev.micro_step, exc)
             rejected.append({"digest": digest, "reason": str(exc) or type(exc).__name__})
             continue
         good.append((p, advantage))
@@ -197,7 +204,13 @@ class MicroStepWorker:
                 return False
             if current == step:
                 if self.version != step:
-                    self.backend.load_hf_state_dict(await self.weights.fetch(step))
+                    try:
+                        weights = await self.weights.fetch(step)
+                    except LookupError:
+                        if await self.weights.current_version() != step:
+                            continue  # a newer version came out between the two reads: ask again
+                        raise
+                    self.backend.load_hf_state_dict(weights)
                     self.version = step
                 return True
             if deadline is not None and time.monotonic() >= deadline:

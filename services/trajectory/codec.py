@@ -109,6 +109,17 @@ def encode_packed(p: PackedTree) -> bytes:
 
 
 def decode_packed(data: bytes) -> PackedTree:
+    """A packed tree from its bytes; :class:`CodecError` for anything else (truncated, a
+    header of the wrong shape or types), never another exception."""
+    try:
+        return _decode_packed(data)
+    except CodecError:
+        raise
+    except (struct.error, TypeError, ValueError, KeyError, IndexError, AttributeError, OverflowError) as exc:
+        raise CodecError(f"not a readable packed tree: {type(exc).__name__}: {exc}") from None
+
+
+def _decode_packed(data: bytes) -> PackedTree:
     if data.startswith(MAGIC):
         columns = _COLUMNS
     elif data.startswith(MAGIC_TEMPERED):
@@ -120,6 +131,8 @@ def decode_packed(data: bytes) -> PackedTree:
     at += 4
     header = json.loads(data[at : at + n_head])
     at += n_head
+    if not isinstance(header, dict) or not isinstance(header.get("n_tokens"), int) or header["n_tokens"] < 0:
+        raise CodecError("packed tree header is not an object with a whole n_tokens")
     n = header["n_tokens"]
     cols = {}
     for name, code in columns:

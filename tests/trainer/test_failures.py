@@ -106,6 +106,62 @@ async def test_a_failed_checkpoint_write_stops_the_core_and_a_restart_trains_the
     assert _same_weights(again.backend, _reference_one_step(_steps()[0])) < 1e-6
 
 
+async def test_nothing_is_computed_on_a_version_whose_checkpoint_is_being_written(js_bus, tmp_path, monkeypatch):
+    """The core's own worker trains on the newest version checkpointed and published, not on
+    the one being written: a core killed during that write leaves no micro-step of the next
+    step in the log (a restart from the older checkpoint would pass those over as stragglers,
+    their queue messages acked: the step would never complete). The core that failed ends at
+    once, and its restart trains both steps."""
+    import time
+
+    import services.trainer.core as core_module
+
+    save = core_module.save_checkpoint
+
+    def slow_then_fails(folder, state, weights, optimizer, **kw):
+        if state.step == 1:  # v1's checkpoint: a slow disk, then the write fails
+            time.sleep(2.0)
+            raise OSError(5, "Input/output error")
+        return save(folder, state, weights, optimizer, **kw)
+
+    monkeypatch.setattr(core_module, "save_checkpoint", slow_then_fails)
+    blobs = MemoryBlobStore()
+    core, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    stop = asyncio.Event()
+    worker = asyncio.create_task(workers[0].run(stop))
+    for step, samples in enumerate(_steps()):
+        await _queue(js_bus, blobs, step, samples)
+    error = await _run_until_it_fails(core, stop, timeout=30)
+    stop.set()
+    await worker
+    assert isinstance(error, OSError)
+    assert [e.micro_step for e in await _events(js_bus, Context.TRAINING, MicroStepDone)
+            if e.weight_version >= 1] == []
+    monkeypatch.setattr(core_module, "save_checkpoint", save)
+    again, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(again.run(stop)), asyncio.create_task(workers[0].run(stop))]
+    await _wait_version(again, 2, timeout=30)
+    stop.set()
+    await asyncio.gather(*tasks)
+    assert [(e.step, e.weight_version) for e in await _events(js_bus, Context.TRAINING, StepApplied)] == [(0, 1), (1, 2)]
+    assert _same_weights(again.backend, _reference(_steps())) < 1e-5
+
+
+async def test_an_unreadable_sample_blob_is_rejected_with_its_reason_and_the_rest_train():
+    from services.trainer.worker import load_samples
+    from services.trajectory.codec import MAGIC, encode_packed
+
+    blobs = MemoryBlobStore()
+    good = await blobs.put(encode_packed(two_branch_tree("r1")))
+    bad = [await blobs.put(MAGIC + b"\x01"), await blobs.put(MAGIC + b"\x02\x00\x00\x00[]")]
+    ev = MicroStepQueued(run_id=RUN, step=0, micro_step="m0", group_id="g", sample_digests=[good, *bad],
+                         advantages=[1.0, 1.0, 1.0], n_tokens=1, micro_steps_in_step=1)
+    samples, rejected = await load_samples(blobs, ev, TINY.vocab_size, 0, None)
+    assert len(samples) == 1 and [r["digest"] for r in rejected] == bad
+    assert all("not a readable packed tree" in r["reason"] or "header" in r["reason"] for r in rejected)
+
+
 async def test_a_future_step_s_claim_goes_back_so_a_dead_cell_s_claim_is_taken(js_bus, tmp_path):
     """Cell A claims a micro-step of step 0 and dies; cell B finishes the other and then
     fetches step 1's, whose weights cannot exist before step 0 is done. B must put those

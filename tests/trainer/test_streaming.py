@@ -406,6 +406,29 @@ async def test_a_step_waits_for_a_group_read_only_in_part(js_bus, tmp_path):
     assert core._complete()
 
 
+async def test_a_group_queued_after_its_step_was_applied_is_named_not_passed_over_silently(js_bus, tmp_path, caplog):
+    import logging
+    from dataclasses import replace
+
+    blobs = MemoryBlobStore()
+    core, workers = _cells(js_bus, blobs, tmp_path, n_satellites=0)
+    core.settings = replace(core.settings, groups_per_step=1)
+    stop = asyncio.Event()
+    tasks = [asyncio.create_task(core.run(stop)), asyncio.create_task(workers[0].run(stop))]
+    await _queue(js_bus, blobs, 0, _steps()[0])  # group g0: the step's one group
+    await _wait_version(core, 1, timeout=30)
+    late = MicroStepQueued(run_id=RUN, step=0, micro_step="late-m0", group_id="late", sample_digests=["ab" * 32],
+                           advantages=[1.0], n_tokens=1, group_micro_steps=1)
+    with caplog.at_level(logging.WARNING, logger="services.trainer.core"):
+        await core.on_queued(late)
+        await core.on_queued(MicroStepQueued(run_id=RUN, step=0, micro_step="s0-m0", group_id="g0",
+                                             sample_digests=["ab" * 32], advantages=[1.0], n_tokens=1))
+    stop.set()
+    await asyncio.gather(*tasks)
+    warned = [r.getMessage() for r in caplog.records if "queued after step 0 was applied" in r.getMessage()]
+    assert len(warned) == 1 and "late-m0 (group late)" in warned[0]  # s0-m0 was trained: read again quietly
+
+
 async def test_a_core_killed_between_its_checkpoint_and_the_step_s_events_publishes_them_on_restart(js_bus, tmp_path):
     """The checkpoint is written before StepApplied and the new weights reach the log, so
     the log never runs ahead of it; a core killed in between publishes them on restart,

@@ -52,6 +52,24 @@ def test_broken_packed_bytes_are_refused():
         decode_packed(data[:-3])
     with pytest.raises(CodecError, match="trailing"):
         decode_packed(data + b"\0")
+    # whatever the bytes, a CodecError (the trainer rejects the sample with its reason), never another error
+    import json
+    import struct
+
+    from services.trajectory.codec import MAGIC
+
+    (n,) = struct.unpack_from("<I", data, len(MAGIC))
+    head = json.loads(data[len(MAGIC) + 4: len(MAGIC) + 4 + n])
+
+    def patched(**fields) -> bytes:
+        h = json.dumps({**head, **fields}, sort_keys=True, separators=(",", ":")).encode()
+        return MAGIC + struct.pack("<I", len(h)) + h + data[len(MAGIC) + 4 + n:]
+
+    for bad in (MAGIC + b"\x01", MAGIC + struct.pack("<I", 2) + b"[]", MAGIC + struct.pack("<I", 2) + b"\xff\xfe",
+                patched(n_tokens="10"), patched(n_tokens=-1), patched(segments=3), patched(branches=[[1]]),
+                patched(segments=[["x"]])):
+        with pytest.raises(CodecError):
+            decode_packed(bad)
 
 
 def test_token_arrays_match_the_foundations_codec():

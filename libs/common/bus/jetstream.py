@@ -30,6 +30,16 @@ from .port import (ConcurrencyConflict, ConsumerConfig, Deferred, Delivery, Hand
 
 log = logging.getLogger(__name__)
 
+
+def _raise_if_cancelled() -> None:
+    """Python 3.11's ``asyncio.wait_for`` (inside nats-py's ``fetch`` and ``next_msg``) can
+    swallow a cancel that lands as its wait completes: the task is left cancelling but
+    running, and a loop that polls would go on for ever (its owner waiting on it too). The
+    loops ask at each turn."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError()
+
 DEADLETTER_STREAM = "GYRE_DEADLETTER"
 DEADLETTER_PREFIX = "gyredlq"
 HDR_TYPE = "Gyre-Type"
@@ -242,6 +252,7 @@ class JetStreamBus:
         self.consumers.add((config.context.stream, config.name))
         try:
             while not stop.is_set():
+                _raise_if_cancelled()
                 try:
                     msgs = await sub.fetch(config.batch, timeout=0.5)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
@@ -406,6 +417,7 @@ class JetStreamBus:
         )
         try:
             while True:
+                _raise_if_cancelled()
                 try:
                     msg = await sub.next_msg(timeout=idle_s)
                 except (nats.errors.TimeoutError, asyncio.TimeoutError):
