@@ -21,6 +21,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 
@@ -99,6 +100,22 @@ def create_app(service: ProxyService, *, admin_token: str | None, registry: Coll
         metrics.errors.labels(api, e.kind).inc()
         headers = {"x-should-retry": "true"} if e.status >= 500 else None
         return JSONResponse(API[api].error_body(e), status_code=e.status, headers=headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def unrouted(request: Request, exc: StarletteHTTPException) -> Response:
+        """A path or method no route takes (404, 405) answers in the caller's API's error
+        shape (the SDKs show its message), not FastAPI's ``{"detail": ...}``."""
+        path = request.url.path
+        api = "anthropic_messages" if "/v1/messages" in path else (
+            "openai_responses" if "/v1/responses" in path else "openai_chat")
+        kind = {404: "not_found", 405: "invalid_request", 401: "authentication", 413: "too_large"}.get(
+            exc.status_code, "invalid_request" if exc.status_code < 500 else "internal")
+        what = {404: f"no such endpoint: {request.method} {path}",
+                405: f"{request.method} is not allowed on {path}"}.get(exc.status_code, str(exc.detail))
+        response = err(api, ApiError(exc.status_code, kind, what))
+        for name, value in (exc.headers or {}).items():  # e.g. Allow on a 405
+            response.headers[name] = value
+        return response
 
     async def handle(api: str, rollout: str, request: Request) -> Response:
         mod = API[api]

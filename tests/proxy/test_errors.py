@@ -251,3 +251,33 @@ async def test_admin_fields_of_the_wrong_kind_are_400s_naming_them(proxy, path, 
         assert r.status_code == 400 and word in r.text, r.text
         cells = (await c.get(proxy.url + "/admin/cells", headers={"Authorization": f"Bearer {ADMIN}"})).json()["cells"]
         assert {c["name"]: c["state"] for c in cells} == {"cell-a": "active", "cell-b": "active"}
+
+
+async def test_paths_and_methods_no_route_takes_answer_in_the_apis_error_shape(proxy) -> None:
+    """Not FastAPI's {"detail": ...}: the SDKs show the message of their own shape."""
+    base = await proxy.rollout("e-unrouted")
+    async with httpx.AsyncClient() as c:
+        r = await c.get(base + OA, headers=KEY)
+        is_openai_error(r, 405, "GET is not allowed on")
+        assert "POST" in r.headers.get("allow", "")
+        is_openai_error(await c.post(base + "/v1/completions", headers=KEY, json={"model": "m", "prompt": "x"}),
+                        404, "no such endpoint: POST")
+        is_anthropic_error(await c.get(base + AN, headers=KEY), 405, "invalid_request_error", "GET is not allowed")
+        is_anthropic_error(await c.post(base + AN + "/batches", headers=KEY, json={}), 404, "not_found_error",
+                           "no such endpoint")
+
+
+async def test_count_tokens_counts_what_a_call_would_refuse_for_its_answer(proxy) -> None:
+    """A forced tool choice or a server tool changes the answer, not the prompt: Anthropic's
+    count_tokens counts such requests, and so does this one (the call itself is refused)."""
+    base = await proxy.rollout("e-count")
+    tools = [{"name": "f", "input_schema": {"type": "object"}}]
+    async with httpx.AsyncClient() as c:
+        plain = await c.post(base + AN + "/count_tokens", headers=KEY, json=an_body(tools=tools))
+        assert plain.status_code == 200, plain.text
+        for extra in ({"tool_choice": {"type": "any"}},
+                      {"tools": [*tools, {"type": "web_search_20250305", "name": "web_search"}]}):
+            r = await c.post(base + AN + "/count_tokens", headers=KEY, json=an_body(tools=tools) | extra)
+            assert r.status_code == 200 and r.json() == plain.json(), r.text
+        r = await c.post(base + AN, headers=KEY, json=an_body(tools=tools, tool_choice={"type": "any"}))
+        is_anthropic_error(r, 400, "invalid_request_error", "not supported by this proxy")

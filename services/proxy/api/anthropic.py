@@ -47,14 +47,22 @@ def parse(body: Any, *, count_only: bool = False) -> ChatRequest:
         t = expect(t, dict, p)
         ttype = t.get("type")
         if isinstance(ttype, str) and ttype != "custom" and ttype.startswith(SERVER_TOOL_PREFIXES):
+            if count_only:  # counting refuses nothing it does not need: such a tool adds no tokens here
+                continue
             raise bad_request(f"{p}: server tool {ttype!r} is not available with a self-hosted policy", p)
         tools.append(tool_spec(t.get("name"), t.get("description"), t.get("input_schema"), p))
     max_tokens = opt_int(body, "max_tokens", 1, 10**7)
     if max_tokens is None and not count_only:
         raise bad_request("max_tokens: Field required", "max_tokens")
+    try:
+        choice = tool_choice_mode(body.get("tool_choice"))
+    except ApiError:
+        if not count_only:  # a forced tool choice changes the answer, not the prompt's length
+            raise
+        choice = "auto"
     return ChatRequest(
         api="anthropic_messages", model=model, messages=msgs, tools=tools,
-        tool_choice=tool_choice_mode(body.get("tool_choice")),
+        tool_choice=choice,
         max_tokens=max_tokens, temperature=opt_number(body, "temperature", 0, 1),
         top_p=opt_number(body, "top_p", 0, 1), top_k=opt_int(body, "top_k", 0, 10**6),
         stop=stop_list(body.get("stop_sequences"), "stop_sequences"), stream=opt_bool(body, "stream"),
