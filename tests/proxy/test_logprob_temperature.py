@@ -58,6 +58,20 @@ def test_a_top_k_1_call_is_sent_temperature_1_and_top_k_is_always_sent():
                                  .sampling_params(8, [])).top_k == -1
 
 
+def test_a_top_p_0_and_a_negative_seed_are_sent_as_the_cells_take_them():
+    """The APIs allow top_p 0 and any int64 seed; SGLang and the engine want top_p > 0 and a
+    seed >= 0 (the call was refused by the cell: a 400 the caller could not have seen coming)."""
+    def sent(**kw):
+        sp = ChatRequest(api="openai_chat", model="m", messages=[], **kw).sampling_params(8, [])
+        parse_sampling_params(sp)  # the engine's own check
+        return sp.get("top_p"), sp.get("sampling_seed")
+
+    assert sent(top_p=0.0, seed=-1) == (1e-9, 2**63 - 1)
+    assert sent(top_p=0.5, seed=-(2**63)) == (0.5, 0)
+    assert sent(top_p=1.0, seed=2**63 - 1) == (1.0, 2**63 - 1)
+    assert sent() == (None, None)
+
+
 def sglang_checked(engine: ScriptedEngine, sent: list[dict]) -> FastAPI:
     """``engine``'s app behind SGLang's own check of ``top_k`` (-1, or at least 1; a 400
     otherwise, as SGLang answers), keeping each request's ``sampling_params``."""

@@ -18,6 +18,8 @@ NO_TOP_K = -1  # SGLang's "no top-k limit"
 GREEDY_PICK_TEMPERATURE = 1.0
 
 
+MIN_TOP_P = 1e-9  # what a caller's top_p 0 is sent as: the nucleus holds only the likeliest token
+
 class ApiError(Exception):
     """An error the caller sees, rendered in its own API's error shape.
 
@@ -74,12 +76,12 @@ class ChatRequest:
                               "stop_token_ids": list(stop_token_ids), "skip_special_tokens": False,
                               "no_stop_trim": True, "temperature": temperature,
                               "top_k": self.top_k if self.top_k is not None and self.top_k >= 1 else NO_TOP_K}
-        if self.top_p is not None:
-            sp["top_p"] = self.top_p
+        if self.top_p is not None:  # the APIs allow 0 (the likeliest token only); SGLang wants > 0
+            sp["top_p"] = max(self.top_p, MIN_TOP_P)
         if self.stop:
             sp["stop"] = list(self.stop)
-        if self.seed is not None:
-            sp["sampling_seed"] = self.seed
+        if self.seed is not None:  # OpenAI's seed is any int64; SGLang's sampling_seed is not negative
+            sp["sampling_seed"] = self.seed % 2**63
         return sp
 
 
