@@ -40,6 +40,7 @@ def _raise_if_cancelled() -> None:
     if task is not None and task.cancelling():
         raise asyncio.CancelledError()
 
+
 DEADLETTER_STREAM = "GYRE_DEADLETTER"
 DEADLETTER_PREFIX = "gyredlq"
 HDR_TYPE = "Gyre-Type"
