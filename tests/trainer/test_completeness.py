@@ -368,8 +368,9 @@ async def test_a_micro_step_that_kills_every_cell_taking_it_is_computed_by_the_c
     await _queue(js_bus, blobs, 0, _steps()[0])
     deaths = 0
     for i in range(10):
-        if core.state.weight_version >= 1:
-            break
+        if core.state.weight_version >= 1 or deaths == 3:
+            break  # no cell after the third death: the core alone must finish it (a fourth could
+            # take the redelivered message and die before the core's result is in, on a loaded machine)
         sat = MicroStepWorker(WorkerSettings(RUN, f"sat{i}", CONFIG, ack_wait_s=1.0, retry_delay_s=0.05),
                               TorchBackend.tiny(TINY), bus=js_bus, blobs=blobs, gradients=BlobTransfer(blobs),
                               weights=BusWeightSource(js_bus, blobs, RUN))
