@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import logging
 import os
 import resource
@@ -97,6 +98,10 @@ class SandboxConfig:
     isolation: Literal["auto", "namespaces", "uid", "none"] = "auto"
     uid_base: int = 61000  # sandbox n runs as uid_base + n (namespaces and uid modes)
     slots: int = 16  # most sandboxes at once
+    # Where each slot's uid is claimed host-wide (namespaces and uid modes, run as root): two
+    # evaluators (or replicas) on one machine never run as one uid, which would share its
+    # process limit and, in uid mode, kill each other's processes.
+    lock_dir: Path = Path("/run/gyre-sandbox")
     output_kill_factor: int = 100  # output beyond this many caps stops the run
 
 
@@ -106,6 +111,7 @@ class Sandbox:
         self.mode: Mode | None = None
         self._free = list(range(config.slots))
         self._slot_free = asyncio.Condition()
+        self._held: dict[int, int] = {}  # slot -> the descriptor of its host-wide claim
 
     @property
     def description(self) -> str:
@@ -138,7 +144,10 @@ class Sandbox:
         try:
             # the tests' interpreter as they run it (isolated mode): pytest must be importable
             script = "import os, pytest; open('ok', 'w').write(str(os.getuid()))"
-            run = await self.run([python, "-I", "-c", script], workdir=trial, env={}, limits=Limits(wall_s=20))
+            try:
+                run = await self.run([python, "-I", "-c", script], workdir=trial, env={}, limits=Limits(wall_s=20))
+            except SandboxUnavailable as exc:  # e.g. the uid claims' folder cannot be written
+                return str(exc)
             if run.exit_code != 0 or not (trial / "ok").exists():
                 return f"trial run failed (exit {run.exit_code}): {run.output_tail[-300:]}"
             return None
@@ -272,12 +281,55 @@ class Sandbox:
         )
 
     async def _acquire(self) -> int:
-        async with self._slot_free:
-            await self._slot_free.wait_for(lambda: bool(self._free))
-            return self._free.pop(0)
+        """A slot free here whose uid no other process on this host holds (in the modes that
+        run as a uid); waits while every one of ours is taken, by this process or another."""
+        waited = False
+        while True:
+            async with self._slot_free:
+                await self._slot_free.wait_for(lambda: bool(self._free))
+                for slot in list(self._free):
+                    if self._claim(slot):
+                        self._free.remove(slot)
+                        if waited:
+                            log.info("sandbox: uid %d free again; the run goes on", self.config.uid_base + slot)
+                        return slot
+            if not waited:
+                waited = True
+                log.warning("sandbox: the uids of every free slot (%d from %d) are held by other processes on this "
+                            "host (another evaluator with the same uid_base?); waits for one", len(self._free),
+                            self.config.uid_base)
+            await asyncio.sleep(0.2)
+
+    def _claim(self, slot: int) -> bool:
+        if self.mode not in ("namespaces", "uid"):
+            return True  # no uid of its own: nothing shared with other processes
+        path = self.config.lock_dir / f"{self.config.uid_base + slot}.lock"
+        try:
+            self.config.lock_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            info = os.lstat(self.config.lock_dir)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o022:
+                raise SandboxUnavailable(f"{self.config.lock_dir} must be a folder of uid {os.geteuid()} that "
+                                         "others cannot write (it holds the sandbox uids' claims)")
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError as exc:
+            raise SandboxUnavailable(f"cannot claim sandbox uid {self.config.uid_base + slot} in "
+                                     f"{self.config.lock_dir}: {exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        except OSError as exc:
+            os.close(fd)
+            raise SandboxUnavailable(f"cannot claim sandbox uid {self.config.uid_base + slot}: {exc}") from exc
+        self._held[slot] = fd
+        return True
 
     async def _release(self, slot: int) -> None:
         async with self._slot_free:
+            fd = self._held.pop(slot, None)
+            if fd is not None:
+                os.close(fd)  # the claim ends with its descriptor
             self._free.append(slot)
             self._slot_free.notify()
 
