@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace as dataclass_replace
 from typing import Any, TypeVar
 
 from libs.common.blobs import encode_logprobs, encode_tokens
@@ -331,7 +331,7 @@ class ProxyService:
     def _plan(self, st: RolloutState, req: ChatRequest) -> Plan:
         """Runs in a render thread, under the rollout's lock."""
         try:
-            return st.tito.plan(req.messages, req.tools, tools_key(req.tools))
+            return st.tito.plan(req.messages, req.tools, tools_key(req.tools), req.prefill)
         except TemplateError as exc:
             raise ApiError(400, "invalid_request", str(exc)) from exc
 
@@ -590,8 +590,11 @@ class ProxyService:
                 return
             try:
                 # the reply check renders and encodes the reply: O(reply), off the loop too
+                reply = parsed.as_msg()
+                if call.plan.prefill:  # the turn as the conversation goes on: the prefill, then the reply
+                    reply = dataclass_replace(reply, content=call.plan.prefill + reply.content)
                 boundaries = await self.off_loop(st.tito.record, call.call_id, call.plan, call.output_ids,
-                                                 parsed.as_msg(), req.tools, tools_key(req.tools),
+                                                 reply, req.tools, tools_key(req.tools),
                                                  call.outcome.finish_reason == "stop")
             except Exception:
                 # The tokens are the training data: record the call without a match index

@@ -41,6 +41,7 @@ def parse(body: Any, *, count_only: bool = False) -> ChatRequest:
         msgs.append(Msg("system", system))
     for i, m in enumerate(raw):
         msgs.extend(_message(m, f"messages.{i}"))
+    prefill = _prefill(msgs, raw)
     tools = []
     for i, t in enumerate(expect(body.get("tools") or [], list, "tools")):
         p = f"tools.{i}"
@@ -66,8 +67,25 @@ def parse(body: Any, *, count_only: bool = False) -> ChatRequest:
         max_tokens=max_tokens, temperature=opt_number(body, "temperature", 0, 1),
         top_p=opt_number(body, "top_p", 0, 1), top_k=opt_int(body, "top_k", 0, 10**6),
         stop=stop_list(body.get("stop_sequences"), "stop_sequences"), stream=opt_bool(body, "stream"),
+        prefill=prefill,
         extra={k: body[k] for k in ("thinking", "metadata", "context_management", "output_config") if k in body},
     )
+
+
+def _prefill(msgs: list[Msg], raw: list[Any]) -> str:
+    """A last assistant message is the start of the reply (Anthropic's prefill): taken out
+    of ``msgs`` and returned; the model writes on from its text, and the answer holds only
+    what it wrote. Refused as Anthropic refuses it: text ending in whitespace, tool_use."""
+    if not msgs or msgs[-1].role != "assistant":
+        return ""
+    last = msgs.pop()
+    p = f"messages.{len(raw) - 1}"
+    if last.tool_calls:
+        raise bad_request(f"{p}: a final assistant message with tool_use blocks cannot be continued; "
+                          "send the tool_result in a user message", p)
+    if last.content != last.content.rstrip():
+        raise bad_request(f"{p}: final assistant content cannot end with trailing whitespace", p)
+    return last.content
 
 
 def _system_text(system: Any) -> str:

@@ -52,6 +52,7 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False  # OpenAI chat: return each output token's logprob
+    prefill: str = ""  # Anthropic: a last assistant message's text, which the reply continues
     extra: dict[str, Any] = field(default_factory=dict)
 
     def sampling_params(self, default_max_tokens: int, stop_token_ids: list[int]) -> dict[str, Any]:

@@ -90,6 +90,8 @@ class Plan:
     suffix_offsets: tuple[int, ...]  # end offset (within new_ids) of each newly rendered message; -1: none
     # (a tool result the template renders in one block with the next one)
     encoded_tokens: int  # tokens this plan tokenized (the proxy's own work)
+    prefill: str = ""  # text the reply's turn starts with (Anthropic's last assistant message): the
+    # last of new_ids, after the generation prompt; the model writes on from there
 
     @property
     def input_len(self) -> int:
@@ -292,7 +294,18 @@ class Tito:
 
     # -- matching ----------------------------------------------------------------------
 
-    def plan(self, msgs: list[Msg], tools: list[ToolSpec], tools_key: str) -> Plan:
+    def plan(self, msgs: list[Msg], tools: list[ToolSpec], tools_key: str, prefill: str = "") -> Plan:
+        """How to build the input for ``msgs``; with ``prefill``, the reply's turn is opened
+        with that text (tokenized on its own, after the generation prompt) and the model
+        continues it."""
+        planned = self._plan(msgs, tools, tools_key)
+        if not prefill:
+            return planned
+        ids = self.renderer.encode(prefill)
+        return replace(planned, new_ids=planned.new_ids + ids, encoded_tokens=planned.encoded_tokens + len(ids),
+                       prefill=prefill)
+
+    def _plan(self, msgs: list[Msg], tools: list[ToolSpec], tools_key: str) -> Plan:
         hashes = chain_hashes(msgs, tools_key)
         shape: TemplateShape | None = None
         for i in range(len(msgs), 0, -1):
@@ -376,7 +389,7 @@ class Tito:
                 added.append((h, Boundary(call_id, plan.prefix_len + end, "input")))
         reply_hash = extend_hash(plan.hashes[n], reply)
         try:
-            glue, drift = self._reply_check(output_ids, reply, tools, tools_key, finish_stop)
+            glue, drift = self._reply_check(output_ids, reply, tools, tools_key, finish_stop, plan.prefill)
         except TemplateError:  # the template cannot render this reply: a next turn forks instead
             pass
         else:
@@ -397,10 +410,12 @@ class Tito:
             self._continued.add(continued)
 
     def _reply_check(self, output_ids: list[int], reply: Msg, tools: list[ToolSpec], tools_key: str,
-                     finish_stop: bool) -> tuple[str, DriftClass]:
-        """Glue after the reply, and how the template would re-render it (costs O(reply))."""
+                     finish_stop: bool, prefill: str = "") -> tuple[str, DriftClass]:
+        """Glue after the reply, and how the template would re-render it (costs O(reply)).
+        ``reply`` is the whole message, ``prefill`` included; ``output_ids`` what the model
+        wrote after it."""
         shape = self.shape(tools, None, tools_key)  # a reply renders the same whatever the system
-        generated = self.renderer.decode(output_ids)
+        generated = prefill + self.renderer.decode(output_ids)
         stop = next((s for s in self.stop_texts if finish_stop and generated.endswith(s)), "")
         tail = shape.reply_tail
         glue = tail[len(stop):] if stop and tail.startswith(stop) else tail
@@ -417,7 +432,8 @@ class Tito:
                 return glue, DriftClass.THINK_STRIPPED
             return glue, DriftClass.TEMPLATE_DRIFT
         gp = self.renderer.encode(shape.generation_prompt)
-        if self.renderer.encode(rendered) != gp + list(output_ids) + self.renderer.encode(glue):
+        written = self.renderer.encode(prefill) + list(output_ids) if prefill else list(output_ids)
+        if self.renderer.encode(rendered) != gp + written + self.renderer.encode(glue):
             return glue, DriftClass.RETOKEN_DRIFT
         return glue, DriftClass.APPEND
 
