@@ -102,7 +102,9 @@ class TrajectoryService:
         for rollout_id, digest in sealed.items():
             try:
                 summary = json.loads(await blobs.get(digest))
-                self.seal_boundaries[rollout_id] = frozenset(c["call_id"] for c in summary["calls"])
+                # the calls it held and those it rejected (a rejection is part of the summary too)
+                self.seal_boundaries[rollout_id] = frozenset(
+                    [c["call_id"] for c in summary["calls"]] + [c["call_id"] for c in summary.get("rejected", [])])
             except (BlobNotFound, BlobCorrupt, ValueError, KeyError, TypeError) as exc:
                 log.warning("rollout %s: its sealed tree's summary %s cannot be read (%r); it is rebuilt "
                             "from all of its calls in the log", rollout_id, digest, exc)
