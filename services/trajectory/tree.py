@@ -63,9 +63,10 @@ def untrainable_reason(call: CallRecord) -> str:
     validate_sample), where one bad value would reject the execution's every branch."""
     if len(call.output_logprobs) != len(call.output_ids):
         return f"{len(call.output_logprobs)} logprobs for {len(call.output_ids)} output tokens"
-    if not 0.0 < call.logprob_temperature < float("inf"):
-        return f"logprob temperature {call.logprob_temperature} is not > 0"
-    for j, lp in enumerate(call.output_logprobs):
+    # tested as the tree keeps them, float32: a double past its range (1e-46, 1e39) is 0 or inf there
+    if not 0.0 < array("f", [call.logprob_temperature])[0] < float("inf"):
+        return f"logprob temperature {call.logprob_temperature} is not > 0 and finite as a float32"
+    for j, lp in enumerate(array("f", call.output_logprobs)):
         if not (math.isfinite(lp) and lp <= LOGPROB_TOLERANCE):
             return f"output logprob {j} = {lp} is not a log-probability"
     if call.n_input_tokens == 0:

@@ -60,3 +60,25 @@ def test_the_summary_names_untrained_calls_only_when_there_are_some() -> None:
     sealed = mixed.seal()
     doc = json.loads(tree_summary(RolloutState("r1", tree=mixed), sealed))
     assert [u["call_id"] for u in doc["untrained"]] == [sealed.untrained[0].call_id]
+
+
+def test_a_temperature_or_logprob_past_float32_is_context_only_not_a_bad_sample() -> None:
+    """Finite and > 0 as doubles (CallRecorded accepts them) but 0 or inf as the float32
+    the tree keeps: the call is context only, and the packed sample still validates (the
+    trainer would otherwise reject the execution's every branch)."""
+    from services.trainer.batch import validate_sample
+    from services.trajectory.records import CallRecord
+
+    for odd in (dict(logprob_temperature=1e-46), dict(logprob_temperature=1e39),
+                dict(output_logprobs=[-0.5, -1e39])):
+        good = CallRecord("c0", "r", [1, 2, 3], [20, 21], [-0.5, -0.25])
+        fields = dict(output_logprobs=[-0.5, -0.25], parent_call_id="c0", prefix_len=5) | odd
+        bad = CallRecord("c1", "r", [4], [22, 23], **fields)
+        tree = RolloutTree("r", TreeConfig())
+        for c in (good, bad):
+            assert tree.add(c).outcome == "applied"
+        assert "float32" in tree.tree.placements[-1].untrained or "log-probability" in tree.tree.placements[-1].untrained
+        sealed = tree.seal()
+        assert [u.call_id for u in sealed.untrained] == ["c1"]
+        for p in sealed.packed:
+            validate_sample(p, 1.0)
