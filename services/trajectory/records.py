@@ -16,6 +16,7 @@ imports nothing but the standard library.
 
 from __future__ import annotations
 
+import hashlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -99,15 +100,16 @@ class CallRecord:
         return versions
 
     def fingerprint(self) -> tuple:
-        """Identity of the recorded content, to tell a harmless duplicate from a conflict."""
-        return (
-            self.parent_call_id,
-            self.prefix_len,
-            tuple(self.new_input_ids[:8]),
-            len(self.new_input_ids),
-            tuple(self.output_ids[:8]),
-            len(self.output_ids),
-        )
+        """Identity of the recorded content, to tell a harmless duplicate from a conflict:
+        everything training reads (every token, logprob and version, the temperature, whether
+        it was delivered), the arrays as a digest. O(call); asked only of a call id seen twice."""
+        h = hashlib.sha256()
+        for part in (array("i", self.new_input_ids), array("i", self.output_ids), array("f", self.output_logprobs),
+                     self.output_versions()):
+            h.update(len(part).to_bytes(8, "little"))
+            h.update(part.tobytes())
+        return (self.parent_call_id, self.prefix_len, self.delivered, array("f", [self.logprob_temperature])[0],
+                h.hexdigest())
 
 
 def summary_role(role: BranchRole) -> BranchRole:

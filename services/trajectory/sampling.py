@@ -24,8 +24,10 @@ never traded for sharing: a sub-agent is not taken before a summary however much
 shares. The bias it brings is explicit: within a role, forks of selected contexts are
 preferred over branches with a context of their own (e.g. a fresh sub-agent); with
 nothing shared (or without a tree) the seeded hash decides. Everything
-depends only on the tree's tokens and the seed, so the choice is the same on replay and
-whatever the calls' arrival order. Branches that end in an undelivered call (a broken
+depends on the tree's tokens, the seed and the order calls were applied in (the main
+line is the main call applied last; fork classes follow the order too), so replay, which
+keeps the log's order, makes the same choice; another arrival order of the same calls
+gives the same tree but not always the same choice. Branches that end in an undelivered call (a broken
 stream that was sent again) are left out unless ``include_undelivered``. A branch whose
 last call is context only (its behaviour logprobs were no log-probabilities, see
 ``tree.py``) comes after every other branch, whatever its role, except as the main line:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -41,6 +42,13 @@ def test_duplicates_are_ignored_and_conflicts_rejected():
     clash = rt.add(call("a", [1, 10, 2], [29]))
     assert clash.outcome == "rejected" and "other content" in clash.reason
     assert len(rt.tree.calls) == 1
+    # a difference past the first tokens, in a logprob or in delivery is a conflict too
+    long = call("b", list(range(1, 13)), list(range(20, 29)))
+    assert rt.add(long).outcome == "applied"
+    for other in (call("b", list(range(1, 13)), list(range(20, 28)) + [99]),
+                  replace(long, output_logprobs=[-3.0] * 9), replace(long, delivered=False)):
+        assert rt.add(other).outcome == "rejected", other
+    assert rt.add(replace(long)).outcome == "duplicate"
 
 
 @pytest.mark.parametrize("bad, reason", [
