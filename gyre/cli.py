@@ -264,7 +264,7 @@ def replay(
                                                             "GYRE_NATS_URL; without it, a finished run's store, "
                                                             "reopened: --run-dir, GYRE_RUN_DIR, or runs/<run> "
                                                             "with --run)")] = None,
-    database_url: Annotated[Optional[str], typer.Option(help="database to rebuild into [GYRE_DATABASE_URL]")] = None,
+    database_url: Annotated[Optional[str], typer.Option(help="an empty database to rebuild into; default a temporary SQLite [GYRE_DATABASE_URL]")] = None,
     run_id: Annotated[Optional[str], typer.Option("--run", help="only this run's events")] = None,
     trees: Annotated[bool, typer.Option("--trees", help="rebuild the run's trees and samples instead; compare")] = False,
     step: Annotated[Optional[int], typer.Option("--step", help="recompute training step N from the checkpoint before it")] = None,

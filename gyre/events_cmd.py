@@ -13,7 +13,7 @@ from typing import Any
 
 from libs.common.bus.jetstream import JetStreamBus
 from libs.common.db.engine import make_engine, upgrade
-from libs.common.db.projection import ProjectionRunner
+from libs.common.db.projection import ProjectionRunner, offsets
 from libs.common.db.readmodels import readmodels
 from libs.common.eventlog import export_stream, load_memory_bus, readmodel_digest
 from libs.common.events import Context, EventDecodeError, decode
@@ -130,6 +130,13 @@ async def replay(settings: GyreSettings, files: list[Path], run_id: str | None) 
     try:
         upgrade(url)
         engine = make_engine(url)
+        held = {k: v for k, v in offsets(engine, readmodels.name).items() if v > 0}
+        if held:  # its offsets would skip every event below them (another run's, the live projector's)
+            where = engine.url.render_as_string(hide_password=True)
+            engine.dispose()
+            raise ValueError(f"replay rebuilds into an empty database; {where} already holds "
+                             f"read models (projected up to {', '.join(f'{k} seq {v}' for k, v in sorted(held.items()))}): "
+                             "give a new database, or no --database-url for a temporary one")
         bus: Any
         with contextlib.ExitStack() as stack:
             if memory is not None:

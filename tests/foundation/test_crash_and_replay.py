@@ -143,6 +143,11 @@ async def test_exported_log_replays_into_an_empty_database_with_identical_rows(n
     res = gyre("replay", "--run", "second", "--database-url", f"sqlite:///{tmp_path / 'second.db'}", env=env)
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.strip().splitlines()[-1])["applied"] == 1 + 30 * 3
+    # a database that already holds read models (here the whole log's) is refused: its
+    # offsets would skip the run's events below them, and the digest would not be the run's
+    res = gyre("replay", "--run", "second", "--database-url", target, env=env)
+    assert res.returncode == 2 and "replay rebuilds into an empty database" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
 
 
 @pytest.mark.parametrize("bad", ['{"stream": 1}', "not json"])
