@@ -161,12 +161,16 @@ class KVPort:
         return {**answer, "bytes": kv.numel() * 4, "backend": peer.backend, "transfer_s": moved}
 
     def release(self, lease: str) -> bool:
+        """Drops an open offer of this port; False for any other name. The agent also holds
+        regions that are not offers (published weight snapshots, staging buffers): a release
+        must never reach those."""
+        agent = self.agent  # first: a cell whose backend does not open says so, not "no such offer"
         with self._lock:
-            _, timer = self._offers.pop(lease, (None, None))
-        if timer is not None:
-            timer.cancel()
+            entry = self._offers.pop(lease, None)
+        if entry is not None and entry[1] is not None:
+            entry[1].cancel()
         self._expire()
-        return release_kv(self.agent, lease)
+        return entry is not None and release_kv(agent, lease)
 
     def close(self) -> None:
         """Drops every open offer (the service is stopping)."""
@@ -263,7 +267,10 @@ def add_routes(app: FastAPI, port: KVPort, admin) -> None:
         if not isinstance(lease, str):
             raise InvalidRequest("lease must be a string")
         try:
-            return {"success": port.release(lease)}
+            if port.release(lease):
+                return {"success": True}
+            return {"success": False, "message": f"no open KV offer {lease!r} on this cell (released, expired, "
+                                                 "or not an offer of this port); nothing dropped"}
         except TransferFailed as exc:  # the transfer backend cannot open (or drop the region)
             raise InvalidRequest(f"kv release failed: {exc}") from None
 

@@ -387,6 +387,177 @@ def bench(**opts) -> dict:
     return run_bench(**opts)
 
 
+# -- UCX request hygiene: slow peers, abandoned requests, concurrent first reads ---------------
+
+_SLOW_PEER_SEED = 11
+
+
+def _slow_ucx_owner(delays: dict, out: mp.Queue, stop) -> None:
+    """A UCX peer under load: its status reply to a request is held back ``delays[offset]``
+    seconds, by the request's first block offset (a context variable: one per connection)."""
+    import contextvars
+
+    from libs.common.transfer import ucx
+    from libs.common.transfer.default import open_agent
+
+    delay = contextvars.ContextVar("delay", default=0.0)
+    agent = open_agent(prefer="ucx")
+    serve_views, send_status = agent._serve_views, ucx._send_status
+
+    def views(blocks):
+        delay.set(float(delays.get(str(blocks[0][1]), 0.0)))
+        return serve_views(blocks)
+
+    async def slow_status(ep, error):
+        await asyncio.sleep(delay.get())
+        delay.set(0.0)
+        await send_status(ep, error)
+
+    agent._serve_views, ucx._send_status = views, slow_status
+    agent.register("kv", np.random.default_rng(_SLOW_PEER_SEED).integers(1, 256, 1 << 16, dtype=np.uint8))
+    out.put(agent.descriptor().to_json())
+    stop.wait()
+
+
+def _slow_ucx_peer(delays: dict):
+    from libs.common.transfer.port import PeerDescriptor
+
+    ctx = mp.get_context("spawn")
+    out, stop = ctx.Queue(), ctx.Event()
+    owner = ctx.Process(target=_slow_ucx_owner, args=({str(k): v for k, v in delays.items()}, out, stop), daemon=True)
+    owner.start()
+    peer = PeerDescriptor.from_json(out.get(timeout=60))
+    expected = np.random.default_rng(_SLOW_PEER_SEED).integers(1, 256, 1 << 16, dtype=np.uint8)
+    return peer, expected, stop
+
+
+def _timed_read(agent, peer, name: str, offset: int, length: int, timeout_s: float, into: dict) -> None:
+    from libs.common.transfer.port import Block
+
+    t0 = time.perf_counter()
+    exc = _raise_of(lambda: agent.read(peer, [Block(name, 0, "kv", offset, length)], timeout_s=timeout_s))
+    into[name] = {"error": f"{type(exc).__name__}: {exc}" if exc else None,
+                  "timeout": type(exc).__name__ == "TransferTimeout", "s": time.perf_counter() - t0}
+
+
+def ucx_stale(backend: str = "ucx") -> dict:
+    """A read abandoned by its deadline must never leave its reply to be taken by the next
+    read on the same endpoint (which would then 'succeed' with the wrong bytes)."""
+    import threading
+
+    from libs.common.transfer.default import open_agent
+
+    # offset 8192: a read held 5.5 s (past ucx's outer 5 s grace); offset 0: held 2 s
+    peer, expected, stop = _slow_ucx_peer({8192: 5.5, 0: 2.0})
+    agent = open_agent(prefer="ucx")
+    for name in ("a", "b", "c", "d", "e", "f"):
+        agent.register(name, np.zeros(4096, np.uint8))
+    r: dict = {}
+    reads: dict = {}
+    _timed_read(agent, peer, "c", 4096, 4096, 5, reads)  # connects and caches the endpoint
+    r["warm_ok"] = reads["c"]["error"] is None
+    # 1. B queues behind slow A; its deadline passes while it waits (before the fix: after it
+    #    got the endpoint, so ucx's outer cancel cut it mid-exchange and its reply stayed queued)
+    a = threading.Thread(target=_timed_read, args=(agent, peer, "a", 8192, 4096, 30, reads))
+    a.start()
+    time.sleep(0.2)
+    _timed_read(agent, peer, "b", 0, 8, 1.5, reads)
+    a.join()
+    r["a"], r["b"] = reads["a"], reads["b"]
+    r["a_correct"] = bool(np.array_equal(agent.view("a"), expected[8192:12288]))
+    time.sleep(max(0.0, 8.0 - reads["a"]["s"] - 0.2))  # B's reply (had it been sent) has arrived
+    agent.view("c")[:] = 0
+    _timed_read(agent, peer, "c", 4096, 4096, 5, reads)
+    r["after_queued"] = reads["c"]
+    r["after_queued_correct"] = bool(np.array_equal(agent.view("c"), expected[4096:8192]))
+    # 2. a deadline mid-exchange: the endpoint is dropped, the next read uses a new one
+    before = agent._endpoints.get(peer.endpoint)
+    _timed_read(agent, peer, "d", 0, 8, 0.5, reads)
+    r["mid_exchange"] = reads["d"]
+    r["mid_exchange_dropped"] = agent._endpoints.get(peer.endpoint) is not before
+    time.sleep(2.0)
+    _timed_read(agent, peer, "e", 4096, 4096, 5, reads)
+    r["after_mid_exchange"] = reads["e"]
+    r["after_mid_exchange_correct"] = bool(np.array_equal(agent.view("e"), expected[4096:8192]))
+    # 3. a reply nobody waits for (a request under an id this agent never uses) is queued on
+    #    the endpoint when the next read starts: it must not be taken as that read's answer
+    ep, _ = agent._endpoints[peer.endpoint]
+
+    async def stray() -> None:
+        header = json.dumps({"op": "read", "id": 10**12, "blocks": [["kv", 0, 8]]}).encode()
+        await ep.send(np.array([len(header)], dtype=np.uint64))
+        await ep.send(np.frombuffer(header, dtype=np.uint8))
+
+    agent._io.run(stray(), 5)
+    time.sleep(2.5)  # its reply (held 2 s) is in
+    _timed_read(agent, peer, "f", 4096, 4096, 5, reads)
+    r["after_stray"] = reads["f"]
+    r["after_stray_correct"] = bool(np.array_equal(agent.view("f"), expected[4096:8192]))
+    stop.set()
+    return r
+
+
+def ucx_connect(backend: str = "ucx") -> dict:
+    """Concurrent first reads to one peer share one endpoint; a failed read drops only its own."""
+    import threading
+
+    from libs.common.transfer.default import open_agent
+
+    peer, expected, stop = _slow_ucx_peer({0: 2.0})
+    r: dict = {}
+
+    def race(offset: int, timeouts: tuple[float, float]) -> dict:
+        agent = open_agent(prefer="ucx")  # a fresh agent: nothing connected yet
+        created: list = []
+        real = agent._io.ucx.create_endpoint
+
+        async def counting(*args, **kwargs):
+            ep = await real(*args, **kwargs)
+            created.append(ep)
+            return ep
+
+        agent._io.ucx.create_endpoint = counting
+        reads: dict = {}
+        try:
+            for name in "ab":
+                agent.register(name, np.zeros(4096, np.uint8))
+            threads = [threading.Thread(target=_timed_read, args=(agent, peer, name, offset, 4096, t, reads))
+                       for name, t in zip("ab", timeouts)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            agent._io.ucx.create_endpoint = real
+        cached = [e for e, _ in agent._endpoints.values()]
+        return {"reads": reads, "created": len(created), "cached": len(cached),
+                "leaked": sum(1 for ep in created if not ep.closed and all(ep is not e for e in cached)),
+                "correct": {n: bool(np.array_equal(agent.view(n), expected[offset:offset + 4096])) for n in "ab"},
+                "agent": agent}
+
+    fast = race(4096, (10, 10))
+    slow = race(0, (30, 1.0))  # the peer holds both 2 s: the 1 s read gives up
+    agent = slow.pop("agent")
+    fast.pop("agent").close()
+    r["fast"], r["slow"] = fast, slow
+    # _drop of an entry no longer cached leaves the cached one alone
+    cached = agent._endpoints.get(peer.endpoint)
+
+    class _Gone:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    gone = (_Gone(), None)
+    r["drop_error"] = _error(lambda: agent._drop(peer.endpoint, gone))
+    r["drop_stale_entry_keeps_cached"] = cached is not None and agent._endpoints.get(peer.endpoint) is cached
+    r["drop_stale_entry_aborts_it"] = gone[0].aborted
+    agent.close()
+    stop.set()
+    return r
+
+
 if __name__ == "__main__":
     mp.set_start_method("spawn", force=True)
     name, args = sys.argv[1], json.loads(sys.argv[2]) if len(sys.argv) > 2 else {}

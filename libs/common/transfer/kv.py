@@ -86,9 +86,16 @@ def fetch_kv(agent: TransferAgent, offer: PeerDescriptor, *, verify: bool | None
     if stage_tensor.numel() * stage_tensor.element_size() != offer.region(lease).nbytes:
         raise TransferFailed(f"offer {lease}: shape {shape} does not match {offer.region(lease).nbytes} bytes")
     stage = f"stage-{lease}"
+    block_bytes = meta.get("block_bytes", KV_BLOCK_BYTES)
+    if not isinstance(block_bytes, int) or isinstance(block_bytes, bool) or block_bytes <= 0:
+        raise TransferFailed(f"offer {lease}: block_bytes must be a positive integer, not {block_bytes!r}")
+    blocks = kv_blocks(shape, stage_tensor.element_size(), stage, lease, block_bytes)
+    # a plan short of the region would leave part of the uninitialised staging tensor as "KV"
+    planned = sum(b.length for b in blocks)
+    if planned != offer.region(lease).nbytes:
+        raise TransferFailed(f"offer {lease}: its blocks cover {planned} of {offer.region(lease).nbytes} bytes")
     agent.register(stage, stage_tensor)
     try:
-        blocks = kv_blocks(shape, stage_tensor.element_size(), stage, lease, int(meta.get("block_bytes", KV_BLOCK_BYTES)))
         agent.read(offer, blocks, timeout_s=timeout_s)
         info = offer.region(lease)
         if verify or (verify is None and info.checksums is not None):
@@ -208,7 +215,10 @@ async def _via_http(source: KVCell, target: KVCell, ids: list[int], errors: list
     except Exception as exc:
         errors.append(f"http: {exc}")
         return None
-    return ("http", _blob_tokens(blob), len(blob)) if answer.get("success", True) else None
+    if not answer.get("success", True):  # the target refused the blob: say why, as the other paths do
+        errors.append(f"http import refused: {answer.get('message') or 'no reason given'}")
+        return None
+    return ("http", _blob_tokens(blob), len(blob))
 
 
 def _blob_tokens(blob: bytes) -> int:

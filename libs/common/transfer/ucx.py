@@ -4,10 +4,14 @@ ucxx 0.52 has no one-sided put/get in Python, so each agent also serves its regi
 regions: a listener answers ``read`` requests by sending the asked byte ranges and
 ``write`` requests by receiving them into place. One request, in order on one endpoint::
 
-    client -> server   u64 header length, JSON {"op": "read"|"write", "blocks": [[region, offset, length], ...]}
+    client -> server   u64 header length, JSON {"op": "read"|"write", "id": n, "blocks": [[region, offset, length], ...]}
     server -> client   i64 status (0 ok, else the length of an error text that follows)
     read:  server -> client  each block's bytes
     write: client -> server  each block's bytes, then server -> client  i64 status 0
+
+Everything after the header travels under the request's own tag (its ``id``): ucxx 0.52
+does not say how many bytes a receive got, so a message left over from an abandoned request
+(a shorter one would land silently) must be unable to match a later request's receives.
 
 Every block is checked against the regions before a byte moves, so a bad request is
 refused whole. All UCX work runs on one event loop thread per process (UCX's worker is
@@ -21,6 +25,7 @@ run it inside a private network namespace.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import threading
@@ -121,6 +126,8 @@ class UcxAgent(RegionTable):
         self._io = _LoopThread.get(self.config)
         self.library = self._io.library
         self._endpoints: dict[str, tuple[Any, asyncio.Lock]] = {}
+        self._connecting: dict[str, asyncio.Future] = {}
+        self._ids = itertools.count(1)
         self._listener = self._io.run(self._listen(), 30)
         self._endpoint = f"{self.config.host}:{self._listener.port}"
 
@@ -176,52 +183,88 @@ class UcxAgent(RegionTable):
 
     async def _request(self, endpoint: str, op: str, blocks: Sequence[Block], views: list[np.ndarray],
                        timeout_s: float) -> None:
+        """One deadline for connecting, waiting for the endpoint and the exchange: the caller's
+        own (``_LoopThread.run``, 5 s later) then never has to cancel a request half done."""
         try:
-            ep, lock = await asyncio.wait_for(self._connect(endpoint), timeout_s)
-        except Exception as exc:  # refused, unreachable or no answer in time
-            raise TransferFailed(f"ucx connect to {endpoint} failed: {type(exc).__name__}: {exc}") from None
-        async with lock:
+            await asyncio.wait_for(self._request_on(endpoint, op, blocks, views), timeout_s)
+        except asyncio.TimeoutError:
+            raise TransferTimeout(f"ucx {op} with {endpoint}: no completion within {timeout_s:g} s") from None
+
+    async def _request_on(self, endpoint: str, op: str, blocks: Sequence[Block], views: list[np.ndarray]) -> None:
+        while True:
             try:
-                await asyncio.wait_for(self._exchange(ep, op, blocks, views), timeout_s)
-            except TransferFailed as exc:
-                if isinstance(exc, _Refused):
+                entry = await self._connect(endpoint)
+            except Exception as exc:  # refused or unreachable
+                raise TransferFailed(f"ucx connect to {endpoint} failed: {type(exc).__name__}: {exc}") from None
+            ep, lock = entry
+            async with lock:
+                if self._endpoints.get(endpoint) is not entry:
+                    continue  # dropped by the request before us while we waited: connect anew
+                try:
+                    await self._exchange(ep, op, blocks, views)
+                    return
+                except _Refused as exc:
                     raise TransferFailed(str(exc)) from None
-                self._drop(endpoint)
-                raise
-            except asyncio.TimeoutError:
-                self._drop(endpoint)  # the stream is out of step; never reuse it
-                raise TransferTimeout(f"ucx {op} with {endpoint}: no completion within {timeout_s:g} s") from None
-            except Exception as exc:
-                self._drop(endpoint)
-                raise TransferFailed(f"ucx {op} with {endpoint} failed: {type(exc).__name__}: {exc}") from None
+                except BaseException as exc:
+                    # cancelled (deadline) or broken mid-exchange: the stream is out of step
+                    self._drop(endpoint, entry)
+                    if isinstance(exc, TransferFailed) or not isinstance(exc, Exception):
+                        raise
+                    raise TransferFailed(f"ucx {op} with {endpoint} failed: {type(exc).__name__}: {exc}") from None
 
     async def _exchange(self, ep, op: str, blocks: Sequence[Block], views: list[np.ndarray]) -> None:
-        header = json.dumps({"op": op, "blocks": [[b.remote, b.remote_offset, b.length] for b in blocks]}).encode()
+        request_id = next(self._ids)
+        header = json.dumps({"op": op, "id": request_id,
+                             "blocks": [[b.remote, b.remote_offset, b.length] for b in blocks]}).encode()
         await ep.send(np.array([len(header)], dtype=np.uint64))
         await ep.send(np.frombuffer(header, dtype=np.uint8))
-        await _expect_ok(ep)
+        stream = _Tagged(ep, request_id)
+        await _expect_ok(stream)
         # All posted at once: UCX matches same-tag messages in posting order, and keeping
         # many in flight is what makes small blocks fast.
-        await asyncio.gather(*[(ep.recv(v) if op == "read" else ep.send(v)) for v in views])
+        await asyncio.gather(*[(stream.recv(v) if op == "read" else stream.send(v)) for v in views])
         if op == "write":
-            await _expect_ok(ep)
+            await _expect_ok(stream)
 
-    async def _connect(self, endpoint: str):
-        if endpoint not in self._endpoints:
-            host, port = endpoint.rsplit(":", 1)
-            ep = await self._io.ucx.create_endpoint(host, int(port), endpoint_error_handling=self.config.error_handling)
-            self._endpoints[endpoint] = (ep, asyncio.Lock())
-        return self._endpoints[endpoint]
-
-    def _drop(self, endpoint: str) -> None:
-        entry = self._endpoints.pop(endpoint, None)
+    async def _connect(self, endpoint: str) -> tuple[Any, asyncio.Lock]:
+        """The cached endpoint, or the one connection being opened for all who ask meanwhile
+        (shielded: one caller's deadline does not cancel the others' connect)."""
+        entry = self._endpoints.get(endpoint)
         if entry is not None:
-            try:
-                entry[0].abort()
-            except Exception:  # already broken
-                pass
+            return entry
+        pending = self._connecting.get(endpoint)
+        if pending is None:
+            pending = asyncio.ensure_future(self._open(endpoint))
+            self._connecting[endpoint] = pending
+
+            def settled(future: asyncio.Future) -> None:
+                if self._connecting.get(endpoint) is future:
+                    del self._connecting[endpoint]
+                if not future.cancelled():
+                    future.exception()  # retrieved: no "never retrieved" warning when all waiters left
+
+            pending.add_done_callback(settled)
+        return await asyncio.shield(pending)
+
+    async def _open(self, endpoint: str) -> tuple[Any, asyncio.Lock]:
+        host, port = endpoint.rsplit(":", 1)
+        ep = await self._io.ucx.create_endpoint(host, int(port), endpoint_error_handling=self.config.error_handling)
+        entry = (ep, asyncio.Lock())
+        self._endpoints[endpoint] = entry
+        return entry
+
+    def _drop(self, endpoint: str, entry: tuple[Any, asyncio.Lock]) -> None:
+        """Aborts ``entry``'s endpoint; uncaches it only if it is still the one cached."""
+        if self._endpoints.get(endpoint) is entry:
+            del self._endpoints[endpoint]
+        try:
+            entry[0].abort()
+        except Exception:  # already broken
+            pass
 
     async def _close(self) -> None:
+        for pending in list(self._connecting.values()):
+            pending.cancel()
         for endpoint in list(self._endpoints):
             ep, _ = self._endpoints.pop(endpoint)
             try:
@@ -243,17 +286,19 @@ class UcxAgent(RegionTable):
                 await ep.recv(raw)
             except Exception:  # the peer closed its endpoint: normal end of a connection
                 return
+            stream = _Tagged(ep, None)  # a header without a readable id is refused under the endpoint's tag
             try:
                 request = json.loads(raw.tobytes())
+                stream = _Tagged(ep, request.get("id"))
                 views, keep_alive = self._serve_views(request["blocks"])
             except Exception as exc:
-                await _send_status(ep, f"refused: {exc}")
+                await _send_status(stream, f"refused: {exc}")
                 continue
-            await _send_status(ep, None)
+            await _send_status(stream, None)
             try:
-                await asyncio.gather(*[(ep.send(v) if request["op"] == "read" else ep.recv(v)) for v in views])
+                await asyncio.gather(*[(stream.send(v) if request["op"] == "read" else stream.recv(v)) for v in views])
                 if request["op"] == "write":
-                    await _send_status(ep, None)
+                    await _send_status(stream, None)
                 del keep_alive  # regions unregistered meanwhile stayed alive until here
             except Exception as exc:
                 log.warning("ucx peer dropped mid-%s: %s", request.get("op"), exc)
@@ -272,6 +317,21 @@ class UcxAgent(RegionTable):
 
 class _Refused(TransferFailed):
     """The peer checked the request and said no; the endpoint stays usable."""
+
+
+class _Tagged:
+    """An endpoint's messages under one request's tag (``None``: the endpoint's own)."""
+
+    def __init__(self, ep, tag: int | None) -> None:
+        if tag is not None and (not isinstance(tag, int) or isinstance(tag, bool)):
+            raise ValueError(f"request id must be an integer, not {tag!r}")
+        self.ep, self.tag = ep, tag
+
+    def send(self, buffer):
+        return self.ep.send(buffer, tag=self.tag)
+
+    def recv(self, buffer):
+        return self.ep.recv(buffer, tag=self.tag)
 
 
 async def _send_status(ep, error: str | None) -> None:
