@@ -157,3 +157,20 @@ async def test_a_retry_of_our_own_publish_after_a_lost_ack_is_done(short_window_
     a._already_scored = not_yet
     await a.handle(copy1)  # the redelivery's publish conflicts with our own stored copy: done
     assert [s.score for s in await stored_scores(bus)] == [1.0]
+
+
+async def test_two_rollouts_whose_ids_differ_only_in_unsafe_characters_are_both_scored(short_window_bus, tmp_path):
+    """"a.b" and "a_b" once shared one subject token: the second rollout's "already scored?"
+    check found the first's outcome, and it was never scored."""
+    bus = short_window_bus
+    ends = []
+    for rid in ("task.1-0", "task_1-0"):
+        await bus.publish(RolloutStarted(run_id=RUN, rollout_id=rid, task_id="t1", group_id="g", harness="h",
+                                         weight_version=0, api_key_digest="a" * 64))
+        ended = RolloutFinished(run_id=RUN, rollout_id=rid, task_id="t1", exit_status=0, wall_time_s=3.0)
+        ends.append(Delivery(ended, Context.ROLLOUTS.stream, await bus.publish(ended), ended.subject))
+    a = replica(bus, tmp_path, "a", 1.0)
+    for d in ends:
+        await a.handle(d)
+    assert sorted(s.rollout_id for s in await stored_scores(bus)) == ["task.1-0", "task_1-0"]
+    assert a.counts["scored"] == 2

@@ -60,7 +60,18 @@ def test_subject_carries_run_context_type_and_key() -> None:
     assert e.subject == "gyre.run-1.rollouts.RolloutStarted.ro-1"
     odd = ev.RolloutStarted(run_id="r", rollout_id="a.b *>", task_id="t", group_id="g", harness="h",
                             weight_version=0, api_key_digest=D)
-    assert odd.subject.endswith(".a_b___")
+    token = odd.subject.split(".")[-1]
+    assert token.startswith("a_b___-x") and not any(c in token for c in ".*> ")
+
+
+def test_distinct_ids_never_share_a_subject_token() -> None:
+    # "a.b" and "a_b" both became "a_b": the evaluator's "already scored?" check and its
+    # expect-empty publish took one rollout's score for the other's, and one went unscored
+    ids = ["a.b", "a_b", "a b", "a*b", "a>b", "a.b.", "a_b_", "", "_", "\udcff", "\udcfe", "é", "e"]
+    tokens = [ev.subject_token(i) for i in ids]
+    assert len(set(tokens)) == len(ids)
+    assert all(t and not any(c in t for c in ".*> \t") for t in tokens)
+    assert ev.subject_token("s3-task_1-0-ab12:x") == "s3-task_1-0-ab12:x"  # a safe id stands as itself
 
 
 def test_events_are_frozen_and_strict() -> None:

@@ -14,6 +14,7 @@ inside the stream's duplicate window is dropped by the server.
 from __future__ import annotations
 
 import enum
+import hashlib
 import re
 import uuid
 from datetime import UTC, datetime
@@ -58,8 +59,15 @@ def utcnow() -> datetime:
 
 
 def subject_token(value: str) -> str:
-    """Make any id safe to stand as one NATS subject token."""
-    return _UNSAFE.sub("_", value) or "_"
+    """Make any id safe to stand as one NATS subject token. A safe id stands as itself; any
+    other gets its unsafe characters replaced and a digest of the whole id appended, so two
+    ids never share a token ("a.b" and "a_b" did: readers that take the last event on a
+    rollout's subject, or publish expecting it empty, took one rollout's events for the
+    other's and one rollout went unscored)."""
+    if value and not _UNSAFE.search(value):
+        return value
+    digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()[:16]
+    return f"{_UNSAFE.sub('_', value)}-x{digest}"
 
 
 class Event(BaseModel):
