@@ -30,6 +30,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 
 from libs.common.events import (CallRecorded, Event, ForkDetected, GroupQueued, MicroStepQueued, RolloutScored,
@@ -42,6 +43,8 @@ from .forks import HARNESS_RULES, HarnessRules
 from .packing import PackedTree, plan_micro_steps
 from .records import CallRecord
 from .rollout_tree import CallOutcome, RolloutTree, SealedTree, TreeConfig
+
+log = logging.getLogger(__name__)
 
 
 class RolloutPhase(str, enum.Enum):
@@ -78,12 +81,16 @@ class Effects:
     events: list[Event] = field(default_factory=list)
     rejected: list[CallOutcome] = field(default_factory=list)
     settled_calls: list[str] = field(default_factory=list)  # in a sealed tree: the adapter may forget them
+    # a call id met again with other content, with that copy's message (the adapter's): the
+    # copy is dead-lettered as itself, the call recorded first is kept
+    conflicts: list[tuple[CallOutcome, object]] = field(default_factory=list)
 
     def extend(self, other: Effects) -> None:
         self.blobs += other.blobs
         self.events += other.events
         self.rejected += other.rejected
         self.settled_calls += other.settled_calls
+        self.conflicts += other.conflicts
 
 
 @dataclass
@@ -256,7 +263,15 @@ class TrajectoryLedger:
         # started), else the run's setting, else the rollouts started so far.
         expected = self.group_sizes.get(group_id) or self.config.group_size or len(members)
         states = [self.rollouts[r] for r in members]
-        if group_id in self.queued_groups or len(states) < expected:
+        if group_id in self.queued_groups:
+            for s in states:  # started after its group settled (no size stated): never trained
+                if s.packed:
+                    log.warning("rollout %s: group %s was queued before this rollout started (no group size "
+                                "stated, none configured): its %d sample(s) are kept in SamplesSelected, "
+                                "not queued for training", s.rollout_id, group_id, len(s.packed))
+                    s.packed = []
+            return Effects()
+        if len(states) < expected:
             return Effects()
         if any(s.purpose == "eval" for s in states):
             return Effects()  # evaluation only: scored, never trained on
@@ -269,10 +284,19 @@ class TrajectoryLedger:
 
     def _micro_steps(self, group_id, states, advantages, cause) -> list[Event]:
         run = self.config.run_id
-        samples = [(ref, advantages[s.rollout_id], packed)
-                   for s in states for ref, packed in zip(s.samples, s.packed)]
+        samples = []
         for s in states:
-            s.packed = []  # queued: the blobs hold them from here on
+            pairs = list(zip(s.samples, s.packed))
+            if pairs and not any(p.n_execution_trained_tokens for _, p in pairs):
+                # Nothing of this execution is trained (every token masked: context-only or
+                # undelivered calls): queued, it would count as an execution in the trainer's
+                # divisor with no loss of its own. Its score still enters the group's
+                # advantages; its samples stay listed in SamplesSelected.
+                log.warning("rollout %s: no trained token in its %d sample(s): not queued for training "
+                            "(its score still counts in group %s's advantages)", s.rollout_id, len(pairs), group_id)
+                pairs = []
+            samples += [(ref, advantages[s.rollout_id], packed) for ref, packed in pairs]
+            s.packed = []  # queued (or left out): the blobs hold them from here on
         plans = plan_micro_steps([p for _, _, p in samples], self.config.micro_step_tokens)
         step = states[0].step if states else 0
         env = {"run_id": run, "causation_id": cause.event_id,

@@ -17,7 +17,8 @@ Loss data: only model-generated positions are trained (mask 1); prompts, templat
 tool outputs are masked. Each trained position appears once however many selected
 branches share it, and carries weight 1/N, N = the execution's trained positions, so an
 execution's loss is the mean over its own unique generated tokens; the trainer sums
-weight x token loss and divides by the number of executions in the step.
+weight x token loss and divides by the number of executions in the step (an execution
+with no trained position gets weight 0 everywhere and is not queued: ``ledger.py``).
 
 A subtree longer than ``max_piece_tokens`` is split into pieces along segment
 boundaries; a piece repeats the ancestor segments it needs as *context* (masked, weight

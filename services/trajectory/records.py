@@ -108,7 +108,8 @@ class CallRecord:
                      self.output_versions()):
             h.update(len(part).to_bytes(8, "little"))
             h.update(part.tobytes())
-        return (self.parent_call_id, self.prefix_len, self.delivered, array("f", [self.logprob_temperature])[0],
+        # the temperature as its float32 bytes, as the arrays: a NaN equals itself (a float's == would not)
+        return (self.parent_call_id, self.prefix_len, self.delivered, array("f", [self.logprob_temperature]).tobytes(),
                 h.hexdigest())
 
 

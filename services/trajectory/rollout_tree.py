@@ -87,7 +87,8 @@ class RolloutTree:
         if known is not None:
             if known.fingerprint() == call.fingerprint():
                 return CallOutcome(call.call_id, "duplicate")
-            return CallOutcome(call.call_id, "rejected", "same call id, other content")
+            return CallOutcome(call.call_id, "rejected",
+                               "same call id, other content: the call recorded first is kept, this one is not applied")
         if call.rollout_id != self.rollout_id:
             return CallOutcome(call.call_id, "rejected", f"belongs to rollout {call.rollout_id}")
         if call.parent_call_id is not None and call.parent_call_id not in self.tree.index:

@@ -7,7 +7,8 @@ Consumes ``CallRecorded`` (calls), ``RolloutStarted/Finished/TimedOut`` (rollout
 Exactly once by construction: every published event has a deterministic id, and on
 start the service rebuilds its state by replaying the log, publishing only events whose
 ids the trees stream does not hold yet. Calls that can never be applied (broken, or
-their parent never arrived) go to the bus's dead-letter subject with the reason.
+their parent never arrived) go to the bus's dead-letter subject with the reason, as does a
+copy of a known call id with other content (the call recorded first is kept).
 
 Streams are consumed separately, so a score can be handled before the last calls of
 its rollout; before sealing, the service reads that rollout's calls from the log to the
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
+from array import array
 from dataclasses import dataclass
 
 from libs.common.blobs import BlobCorrupt, BlobNotFound
@@ -43,6 +46,28 @@ _CONSUMED = (Context.ROLLOUTS, Context.CALLS, Context.SCORES)
 class DeadCall:
     call_id: str
     reason: str
+    seq: int | None = None  # the dead-lettered message's (a call id may have two: see ``_call``)
+
+
+def content_key(ev: CallRecorded) -> bytes:
+    """What ``CallRecord.fingerprint`` compares, read off the event without fetching a
+    blob: the token blobs are raw int32 / float32 arrays, so their digests stand for the
+    arrays; the weight version of every output token (as runs: nothing the size of the
+    output is built before its blobs are checked), the parent, the prefix, the temperature
+    (as the float32 the tree keeps) and whether it was delivered."""
+    n = ev.n_output_tokens
+    default = ev.weight_spans[0].version if ev.weight_spans else 0  # as call_from_event
+    cuts = sorted({0, n} | {min(max(x, 0), n) for s in ev.weight_spans for x in (s.start, s.end)})
+    runs: list[tuple[int, int]] = []  # (start, version) where the version changes: output_versions, run-length
+    for a, b in zip(cuts, cuts[1:]):
+        if a < b:
+            v = next((s.version for s in reversed(ev.weight_spans) if s.start <= a and b <= s.end), default)
+            if not runs or runs[-1][1] != v:
+                runs.append((a, v))
+    temperature = 1.0 if ev.logprob_temperature is None else ev.logprob_temperature
+    return hashlib.sha256(repr((ev.parent_call_id, ev.prefix_len, ev.delivered, array("f", [temperature]).tobytes(),
+                                ev.new_input_digest, ev.n_new_input_tokens, ev.output_digest, n,
+                                ev.logprobs_digest, runs)).encode()).digest()
 
 
 class TrajectoryService:
@@ -60,6 +85,9 @@ class TrajectoryService:
         self._unsent: Effects | None = None
         self._stop: StopSignal | None = None
         self._call_msgs: dict[str, RawMessage] = {}
+        # (rollout, call) -> content_key of the copy the ledger holds (or held: sealed), to
+        # tell a redelivery from another call under the same id without fetching its blobs
+        self._call_keys: dict[tuple[str, str], bytes] = {}
         # rollout -> the calls its logged TreeSealed holds (from the tree's summary blob): a
         # rebuild seals it with those, not with a call recorded after the live seal
         self.seal_boundaries: dict[str, frozenset[str]] = {}
@@ -156,8 +184,7 @@ class TrajectoryService:
         if ev.run_id != self.config.run_id:
             return Effects()
         if isinstance(ev, CallRecorded):
-            self._call_msgs.setdefault(ev.call_id, RawMessage(d.stream, d.seq, d.subject, ev.to_json()))
-            return await self._call(ev)
+            return await self._call(ev, RawMessage(d.stream, d.seq, d.subject, ev.to_json()))
         if isinstance(ev, RolloutStarted):
             state = self.ledger.rollouts.get(ev.rollout_id)
             if state is not None and not state.started and state.phase is RolloutPhase.ENDED and state.judged:
@@ -175,10 +202,21 @@ class TrajectoryService:
             return Effects()
         return await self._seal_if_ready(ev.rollout_id, ev)
 
-    async def _call(self, ev: CallRecorded) -> Effects:
-        if self.ledger.has_call(ev.rollout_id, ev.call_id):  # a redelivery or the catch-up read
-            sealed = self.ledger.is_sealed(ev.rollout_id)
-            return Effects(settled_calls=[ev.call_id] if sealed else [])
+    async def _call(self, ev: CallRecorded, msg: RawMessage) -> Effects:
+        key = content_key(ev)
+        if self.ledger.has_call(ev.rollout_id, ev.call_id):  # a redelivery, the catch-up read or a conflict
+            held = self._call_keys.get((ev.rollout_id, ev.call_id))
+            if held is None or held == key:  # the same content: a harmless duplicate
+                sealed = self.ledger.is_sealed(ev.rollout_id)
+                return Effects(settled_calls=[ev.call_id] if sealed else [])
+            # Same id, other content (tokens, logprobs, weight versions, temperature, delivery
+            # or place): this copy is dead-lettered as itself; the call first recorded stays
+            # (in the tree, or in the sealed one) and its own message is kept.
+            reason = (f"same call id, other content: a call {ev.call_id} is recorded already with other tokens, "
+                      f"logprobs, weight versions, temperature, delivery or parent/prefix; that one is kept, "
+                      f"this copy (seq {msg.seq}) is not applied")
+            return Effects(conflicts=[(CallOutcome(ev.call_id, "rejected", reason), msg)])
+        self._call_msgs.setdefault(ev.call_id, msg)
         try:
             new_input = decode_ids(await self.blobs.get(ev.new_input_digest))
             output = decode_ids(await self.blobs.get(ev.output_digest))
@@ -191,7 +229,10 @@ class TrajectoryService:
             reason = (f"blobs hold {len(new_input)} new input / {len(output)} output tokens, "
                       f"the event says {ev.n_new_input_tokens} / {ev.n_output_tokens}")
             return Effects(rejected=[CallOutcome(ev.call_id, "rejected", reason)])
-        return self.ledger.call_recorded(call_from_event(ev, new_input, output, logprobs))
+        effects = self.ledger.call_recorded(call_from_event(ev, new_input, output, logprobs))
+        if self.ledger.has_call(ev.rollout_id, ev.call_id):  # applied or buffered: this copy is the call
+            self._call_keys[(ev.rollout_id, ev.call_id)] = key
+        return effects
 
     async def _seal_if_ready(self, rollout_id: str, cause: Event) -> Effects:
         if not self.ledger.ready_to_seal(rollout_id):
@@ -210,8 +251,7 @@ class TrajectoryService:
             if isinstance(ev, CallRecorded) and ev.rollout_id == rollout_id:
                 if boundary is not None and ev.call_id not in boundary:
                     continue  # recorded after the live seal: it meets the sealed tree later, as then
-                self._call_msgs.setdefault(ev.call_id, RawMessage(d.stream, d.seq, d.subject, ev.to_json()))
-                effects.extend(await self._call(ev))
+                effects.extend(await self._call(ev, RawMessage(d.stream, d.seq, d.subject, ev.to_json())))
                 if self._unsent is not None:  # the ledger has these calls now: keep what they ask for
                     self._unsent.extend(effects)
                     effects = Effects()
@@ -227,16 +267,20 @@ class TrajectoryService:
         for outcome in effects.rejected:
             await self._dead_letter(outcome)
             self._call_msgs.pop(outcome.call_id, None)
+        for outcome, msg in effects.conflicts:  # the recorded call's own message stays
+            await self._dead_letter(outcome, msg)
         for call_id in effects.settled_calls:  # in a sealed tree: its message is not needed again
             self._call_msgs.pop(call_id, None)
 
-    async def _dead_letter(self, outcome: CallOutcome) -> None:
-        if any(d.call_id == outcome.call_id for d in self.dead):
+    async def _dead_letter(self, outcome: CallOutcome, msg: RawMessage | None = None) -> None:
+        if msg is None:
+            msg = self._call_msgs.get(outcome.call_id)
+        seq = msg.seq if msg is not None else None
+        if any(d.call_id == outcome.call_id and (seq is None or d.seq in (None, seq)) for d in self.dead):
             return
-        msg = self._call_msgs.get(outcome.call_id)
         if msg is not None:  # noted as dead only once stored: a failed write is tried again
             await self.bus.dead_letter(f"{self.consumer}-calls", msg, outcome.reason)
-        self.dead.append(DeadCall(outcome.call_id, outcome.reason))
+        self.dead.append(DeadCall(outcome.call_id, outcome.reason, seq))
         log.warning("call %s rejected: %s", outcome.call_id, outcome.reason)
 
 
