@@ -47,6 +47,7 @@ class Piece:
     logprobs: list[float]
     weight_version: int
     cell: str
+    top_logprobs: list[list] = field(default_factory=list)  # per token, when asked for: [[logprob, id, text], ...]
 
 
 @dataclass
@@ -84,13 +85,15 @@ def _version(meta: dict[str, Any]) -> int:
 
 async def generate(router: Router, clients: dict[str, CellClient], session: str, rid: str, input_ids: list[int],
                    sampling: dict[str, Any], outcome: Outcome, *, max_attempts: int = 4,
-                   again: Callable[[str], Awaitable[bool]] | None = None) -> AsyncIterator[Piece]:
+                   again: Callable[[str], Awaitable[bool]] | None = None,
+                   top_logprobs: int = 0) -> AsyncIterator[Piece]:
     """Yield output pieces until the generation finishes; fill ``outcome`` at the end.
 
     At most ``max_attempts`` cells are tried, each once; then (or when no active cell is
     left to try) ``await again(why)`` says whether to try them all once more (it waits
     first), else CellFailure. Attempt ``n`` runs as request ``{rid}-{n}`` on the cell
-    ``outcome.cells[n]``."""
+    ``outcome.cells[n]``. ``top_logprobs`` > 0 asks each cell for that many likeliest
+    tokens at every output position (``Piece.top_logprobs``)."""
     produced: list[int] = []
     budget = int(sampling.get("max_new_tokens", 128))
     tried: set[str] = set()
@@ -117,8 +120,9 @@ async def generate(router: Router, clients: dict[str, CellClient], session: str,
         try:
             params = dict(sampling, max_new_tokens=budget - len(produced))
             seen = 0
+            top = {"top_logprobs_num": top_logprobs} if top_logprobs else {}  # only then: other clients lack it
             async for chunk in clients[cell].generate_stream(input_ids + produced, params, return_logprob=True,
-                                                             rid=f"{rid}-{attempt}"):
+                                                             rid=f"{rid}-{attempt}", **top):
                 ids = chunk.get("output_ids") or []
                 meta = chunk.get("meta_info") or {}
                 lps = meta.get("output_token_logprobs") or []
@@ -126,9 +130,11 @@ async def generate(router: Router, clients: dict[str, CellClient], session: str,
                     new = ids[seen:]
                     new_lps = [float(x[0]) if x and x[0] is not None else 0.0 for x in lps[seen:len(ids)]]
                     new_lps += [0.0] * (len(new) - len(new_lps))
+                    tops = [t or [] for t in (meta.get("output_top_logprobs") or [])[seen:len(ids)]] \
+                        if top_logprobs else []
                     seen = len(ids)
                     produced.extend(new)
-                    yield Piece(new, new_lps, _version(meta), cell)
+                    yield Piece(new, new_lps, _version(meta), cell, tops)
                 fin = meta.get("finish_reason")
                 if fin:
                     kind = fin.get("type") if isinstance(fin, dict) else str(fin)

@@ -36,7 +36,7 @@ from .core.hints import continuation_index, request_kind
 from .core.messages import text_digest, tools_key
 from .core.routing import CellState, NoCellAvailable, Router
 from .core.tito import Plan, Renderer, TemplateError
-from .core.toolparse import Parsed, StreamParser, parse_output, partial_tail
+from .core.toolparse import CALL_CLOSE, Parsed, StreamParser, parse_output, partial_tail
 from .generation import CellClient, CellFailure, CellRejected, Outcome, generate
 from .history import RolloutBook, RolloutState, encode_match_index, key_digest
 
@@ -407,20 +407,30 @@ class ProxyService:
         stops = self._stop_ids
         return [i for i in ids if i not in stops] if stops else list(ids)
 
-    def _logprob_entries(self, ids: list[int], logprobs: list[float]) -> tuple[dict[str, Any], ...]:
-        """OpenAI's logprobs entries for generated tokens (the stop tokens left out)."""
-        new = [i for i in dict.fromkeys(ids) if i not in self._token_bytes]
+    def _logprob_entries(self, ids: list[int], logprobs: list[float],
+                         tops: list[list] | None = None) -> tuple[dict[str, Any], ...]:
+        """OpenAI's logprobs entries for generated tokens (the stop tokens left out), each
+        with its position's likeliest alternatives when the cell was asked for them
+        (``tops``: SGLang's ``[logprob, token_id, text]`` lists, one per token)."""
+        tops = tops or []
+        alt_ids = [int(t[1]) for top in tops for t in (top or []) if t and t[1] is not None]
+        new = [i for i in dict.fromkeys(list(ids) + alt_ids) if i not in self._token_bytes]
         if new:
             many = getattr(self.renderer, "token_bytes", None)
             got = many(new) if many is not None else [self.renderer.decode([i]).encode("utf-8") for i in new]
             self._token_bytes.update(zip(new, got))
+
+        def entry(tok: int, lp: float) -> dict[str, Any]:
+            raw = self._token_bytes[tok]
+            return {"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw)}
+
         out = []
-        for i, lp in zip(ids, logprobs):
+        for k, (i, lp) in enumerate(zip(ids, logprobs)):
             if i in self._stop_ids:
                 continue
-            raw = self._token_bytes[i]
-            out.append({"token": raw.decode("utf-8", errors="replace"), "logprob": lp, "bytes": list(raw),
-                        "top_logprobs": []})
+            top = tops[k] if k < len(tops) and tops[k] else []
+            alts = [entry(int(t[1]), float(t[0])) for t in top if t and t[1] is not None and t[0] is not None]
+            out.append(entry(i, lp) | {"top_logprobs": alts})
         return tuple(out)
 
     async def _run(self, call: "_Call", req: ChatRequest, sampling: dict) -> AsyncIterator[GenEvent]:
@@ -446,7 +456,7 @@ class ProxyService:
                 call.first_token = time.monotonic()
             call.add(piece.ids, piece.logprobs, piece.weight_version)
             if req.logprobs:
-                new = self._logprob_entries(piece.ids, piece.logprobs)
+                new = self._logprob_entries(piece.ids, piece.logprobs, piece.top_logprobs)
                 if new:
                     entries.extend(new)
                     call.shown = True
@@ -472,6 +482,8 @@ class ProxyService:
         out = call.outcome
         reason = "tool_calls" if call.parsed.tool_calls and out.finish_reason == "stop" else out.finish_reason
         stop_seq = out.matched_stop if isinstance(out.matched_stop, str) else cutter.matched
+        if req.single_call_stop and stop_seq == CALL_CLOSE:  # the proxy's stop, not the caller's
+            stop_seq = cutter.matched
         yield Finished(reason if not stop_seq else "stop_sequence", len(call.input_ids), len(call.output_ids),
                        out.cached_tokens, call.parsed.content, tuple(call.parsed.tool_calls), call.parsed.reasoning,
                        call.call_id, stop_seq, call.plan.drift.value, tuple(entries) if req.logprobs else None)
@@ -492,9 +504,10 @@ class ProxyService:
         With no cell left to try, an open stream that has shown nothing waits for one
         (``_wait_for_cell``)."""
         again = functools.partial(self._wait_for_cell, call)
+        top = req.top_logprobs if req.logprobs else 0
         try:
             async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids,
-                                        sampling, call.outcome, again=again):
+                                        sampling, call.outcome, again=again, top_logprobs=top):
                 yield piece
             return
         except CellRejected as exc:
@@ -506,7 +519,8 @@ class ProxyService:
                 raise  # not for want of room
         call.outcome = Outcome()
         async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids,
-                                    dict(sampling, max_new_tokens=max_new), call.outcome, again=again):
+                                    dict(sampling, max_new_tokens=max_new), call.outcome, again=again,
+                                    top_logprobs=top):
             yield piece
 
     async def _wait_for_cell(self, call: "_Call", why: str) -> bool:

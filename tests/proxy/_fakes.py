@@ -9,7 +9,10 @@ proxy recorded with what the engine saw. Faked: the model (replies are scripted)
 logprobs (a fixed value per position), the KV cache (none). Options: ``split_tokens``
 (emit a reply as one token per character, so its text re-encodes to other ids), ``fail``
 (drop the connection after N tokens, once), ``delay_s`` per token, ``healthy`` (what
-``GET /health`` answers).
+``GET /health`` answers), ``honour_stop`` (end a reply at the first ``stop`` string, kept
+in the output, as SGLang with ``no_stop_trim``; off: the proxy's own cutting is tested).
+With ``top_logprobs_num`` each position also gets that many alternatives (the sampled
+token first). ``bodies`` keeps every request body.
 The real adapter is the embedded engine (``services/engine``) and SGLang itself.
 """
 
@@ -45,6 +48,8 @@ class ScriptedEngine:
     aborted: list[str] = field(default_factory=list)
     name: str = "cell"
     healthy: bool = True  # what GET /health answers
+    honour_stop: bool = False  # end at the first sampling_params.stop string, as SGLang does
+    bodies: list[dict] = field(default_factory=list)
 
     def _reply_ids(self, input_ids: list[int]) -> list[int]:
         script = self.replies.pop(0) if self.replies else self.default_reply
@@ -74,11 +79,20 @@ class ScriptedEngine:
             input_ids = list(body["input_ids"])
             self.received.append(input_ids)
             sp = body.get("sampling_params") or {}
+            self.bodies.append(body)
             ids = self._reply_ids(input_ids)[: int(sp.get("max_new_tokens", 128))]
-            self.outputs.append(ids)
-            self.by_rid[str(body.get("rid"))] = (input_ids, ids)
             finish = {"type": "stop", "matched": ids[-1]} if ids and ids[-1] in (sp.get("stop_token_ids") or []) \
                 else {"type": "length", "length": len(ids)}
+            stops = [sp["stop"]] if isinstance(sp.get("stop"), str) else list(sp.get("stop") or [])
+            if self.honour_stop and stops:
+                for n in range(1, len(ids) + 1):
+                    hit = next((st for st in stops if st in self.tokenizer.decode(ids[:n])), None)
+                    if hit is not None:
+                        ids, finish = ids[:n], {"type": "stop", "matched": hit}
+                        break
+            self.outputs.append(ids)
+            self.by_rid[str(body.get("rid"))] = (input_ids, ids)
+            top_n = int(body.get("top_logprobs_num") or 0)
 
             def snapshot(n: int, done: bool) -> dict:
                 out = ids[:n]
@@ -86,7 +100,9 @@ class ScriptedEngine:
                     "id": body.get("rid"), "finish_reason": finish if done else None,
                     "prompt_tokens": len(input_ids), "completion_tokens": n, "cached_tokens": 0,
                     "weight_version": self.weight_version,
-                    "output_token_logprobs": [[-0.25 - 0.01 * (i % 7), t, None] for i, t in enumerate(out)]}}
+                    "output_token_logprobs": [[-0.25 - 0.01 * (i % 7), t, None] for i, t in enumerate(out)],
+                    **({"output_top_logprobs": [[[-0.25 - 0.01 * (i % 7) - j, t + j, None] for j in range(top_n)]
+                                                for i, t in enumerate(out)]} if top_n else {})}}
 
             if not body.get("stream"):
                 return JSONResponse(snapshot(len(ids), True))

@@ -268,7 +268,8 @@ async def test_chat_logprobs_stream_and_not(proxy, renderer) -> None:
     ids = renderer.encode(text)
     assert len(whole) == len(ids)  # the end-of-turn token is not the caller's
     assert b"".join(bytes(e["bytes"]) for e in whole).decode() == text
-    assert all(e["top_logprobs"] == [] and e["logprob"] < 0 for e in whole)
+    assert all(e["logprob"] < 0 and len(e["top_logprobs"]) == 2 for e in whole)  # top_logprobs 2: honoured
+    assert all(e["top_logprobs"][0] == {k: e[k] for k in ("token", "logprob", "bytes")} for e in whole)
     assert [e["logprob"] for e in whole] == [-0.25 - 0.01 * (i % 7) for i in range(len(ids))]
     streamed = [e for ch in chunks for e in ((ch["choices"][0].get("logprobs") or {}).get("content") or [])]
     assert streamed == whole

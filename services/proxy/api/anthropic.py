@@ -9,7 +9,7 @@ from typing import Any
 from ..core.messages import Msg, ToolCall
 from .common import (
     ApiError, ChatRequest, Finished, GenEvent, Keepalive, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect,
-    opt_bool, opt_int, opt_number, stop_list, tool_choice_mode, tool_spec,
+    opt_bool, opt_int, opt_number, refuse, refuse_structured_output, stop_list, tool_choice_mode, tool_spec,
 )
 
 REQUEST_ID_HEADER = "request-id"  # Anthropic's; the SDKs expose it as the response's request id
@@ -57,19 +57,46 @@ def parse(body: Any, *, count_only: bool = False) -> ChatRequest:
         raise bad_request("max_tokens: Field required", "max_tokens")
     try:
         choice = tool_choice_mode(body.get("tool_choice"))
+        single = _disable_parallel(body.get("tool_choice"))
     except ApiError:
         if not count_only:  # a forced tool choice changes the answer, not the prompt's length
             raise
-        choice = "auto"
+        choice, single = "auto", False
+    if not count_only:  # nor do these
+        _refuse_unsupported(body)
     return ChatRequest(
         api="anthropic_messages", model=model, messages=msgs, tools=tools,
         tool_choice=choice,
         max_tokens=max_tokens, temperature=opt_number(body, "temperature", 0, 1),
         top_p=opt_number(body, "top_p", 0, 1), top_k=opt_int(body, "top_k", 0, 10**6),
         stop=stop_list(body.get("stop_sequences"), "stop_sequences"), stream=opt_bool(body, "stream"),
-        prefill=prefill,
+        prefill=prefill, parallel_tool_calls=not single,
         extra={k: body[k] for k in ("thinking", "metadata", "context_management", "output_config") if k in body},
     )
+
+
+def _disable_parallel(choice: Any) -> bool:
+    """``tool_choice.disable_parallel_tool_use`` (at most one tool call): honoured."""
+    v = choice.get("disable_parallel_tool_use") if isinstance(choice, dict) else None
+    if v is not None and not isinstance(v, bool):
+        raise bad_request("tool_choice.disable_parallel_tool_use: must be a boolean", "tool_choice")
+    return bool(v)
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields that would change the answer and that the proxy cannot honour: a 400 naming
+    the field. Claude Code's ``output_config`` (``effort``), ``thinking``,
+    ``context_management`` and ``metadata`` pass; its interactive title request's
+    ``output_config.format`` (a JSON schema) is refused: the cells cannot constrain the
+    reply to it. Only that side request sends it (shared/notes/claude-code-forks.md); the
+    headless ``-p`` runs and the agents' own requests do not."""
+    config = body.get("output_config")
+    if config is not None:
+        config = expect(config, dict, "output_config")
+        refuse_structured_output(config.get("format"), "output_config.format", plain=())
+    refuse_structured_output(body.get("output_format"), "output_format", plain=())
+    if body.get("mcp_servers"):
+        raise refuse("mcp_servers", "(MCP connectors run on Anthropic's side)")
 
 
 def _prefill(msgs: list[Msg], raw: list[Any]) -> str:

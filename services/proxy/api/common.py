@@ -10,6 +10,7 @@ from typing import Any
 from services.engine.params import DEFAULT_TEMPERATURE
 
 from ..core.messages import Msg, ToolCall, ToolSpec
+from ..core.toolparse import CALL_CLOSE
 
 MAX_STOP_SEQUENCES = 16
 NO_TOP_K = -1  # SGLang's "no top-k limit"
@@ -52,6 +53,10 @@ class ChatRequest:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False  # OpenAI chat: return each output token's logprob
+    top_logprobs: int = 0  # OpenAI chat: and this many likeliest alternatives at each position
+    # False (OpenAI ``parallel_tool_calls: false``, Anthropic ``disable_parallel_tool_use``):
+    # at most one tool call, honoured by ending the generation where the first call closes
+    parallel_tool_calls: bool = True
     prefill: str = ""  # Anthropic: a last assistant message's text, which the reply continues
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -79,11 +84,19 @@ class ChatRequest:
                               "top_k": self.top_k if self.top_k is not None and self.top_k >= 1 else NO_TOP_K}
         if self.top_p is not None:  # the APIs allow 0 (the likeliest token only); SGLang wants > 0
             sp["top_p"] = max(self.top_p, MIN_TOP_P)
-        if self.stop:
-            sp["stop"] = list(self.stop)
+        if self.stop or self.single_call_stop:
+            sp["stop"] = list(self.stop) + ([CALL_CLOSE] if self.single_call_stop else [])
         if self.seed is not None:  # OpenAI's seed is any int64; SGLang's sampling_seed is not negative
             sp["sampling_seed"] = self.seed % 2**63
         return sp
+
+    @property
+    def single_call_stop(self) -> bool:
+        """The generation ends where the first tool call closes (no parallel calls): the
+        model's own call markup, matched by the cell as a stop string (kept in the output,
+        ``no_stop_trim``), so the reply holds that one call and the record every token."""
+        return not self.parallel_tool_calls and bool(self.tools) and self.tool_choice != "none" \
+            and CALL_CLOSE not in self.stop
 
 
 # -- generation events, API-neutral -----------------------------------------------------
@@ -219,6 +232,35 @@ def tool_choice_mode(v: Any, param: str = "tool_choice") -> str:
         raise bad_request(f"'{param}' must be a string or an object with a 'type'", param)
     raise bad_request(f"'{param}' {kind!r} is not supported by this proxy: only 'auto' and 'none' "
                       "(the policy cannot be forced to call a tool)", param)
+
+
+def refuse(param: str, why: str) -> ApiError:
+    """A field this proxy cannot honour, named, in a 400 (rather than an answer that
+    silently ignores it)."""
+    return bad_request(f"'{param}'{' ' + why if why else ''} is not supported by this proxy", param)
+
+
+def opt_parallel(v: Any, param: str = "parallel_tool_calls") -> bool:
+    """OpenAI's ``parallel_tool_calls`` (absent or null: true)."""
+    if v is None:
+        return True
+    if not isinstance(v, bool):
+        raise bad_request(f"'{param}' must be a boolean, got {type(v).__name__}", param)
+    return v
+
+
+def refuse_structured_output(fmt: Any, param: str, plain: tuple[str, ...] = ("text",)) -> None:
+    """A structured-output request (JSON mode, a JSON schema) needs constrained decoding,
+    which the cells do not do for the proxy: a 400, not free text where JSON was promised.
+    Absent, null, or the plain-text format is accepted."""
+    if fmt is None:
+        return
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(kind, str):
+        raise bad_request(f"'{param}' must be an object with a 'type'", param)
+    if kind not in plain:
+        allowed = f"; only {' or '.join(repr(p) for p in plain)}" if plain else ""
+        raise refuse(param, f"type {kind!r} (structured output needs constrained decoding{allowed})")
 
 
 def stop_list(v: Any, param: str) -> list[str]:

@@ -10,8 +10,8 @@ from typing import Any
 from ..core.messages import Msg, ToolCall
 from .common import (
     ApiError, ChatRequest, Finished, GenEvent, Keepalive, TextDelta, ThinkingDelta, TokenLogprobs, ToolCallDone,
-    bad_request, expect, opt_bool, opt_int, opt_number, parse_arguments, stop_list, text_of, tool_choice_mode,
-    tool_spec,
+    bad_request, expect, opt_bool, opt_int, opt_number, opt_parallel, parse_arguments, refuse, refuse_structured_output,
+    stop_list, text_of, tool_choice_mode, tool_spec,
 )
 
 REQUEST_ID_HEADER = "x-request-id"  # OpenAI's; the SDK exposes it as ``_request_id``
@@ -53,6 +53,7 @@ def parse(body: Any) -> ChatRequest:
     top = opt_int(body, "top_logprobs", 0, 20)
     if top and not logprobs:
         raise bad_request("'top_logprobs' requires 'logprobs' to be true", "top_logprobs")
+    _refuse_unsupported(body)
     max_tokens = opt_int(body, "max_completion_tokens", 1, 10**7) or opt_int(body, "max_tokens", 1, 10**7)
     return ChatRequest(
         api="openai_chat", model=model, messages=msgs, tools=tools,
@@ -61,7 +62,34 @@ def parse(body: Any) -> ChatRequest:
         top_p=opt_number(body, "top_p", 0, 1), stop=stop_list(body.get("stop"), "stop"),
         seed=opt_int(body, "seed", -(2**63), 2**63 - 1), stream=opt_bool(body, "stream"),
         include_usage=bool(isinstance(stream_opts, dict) and stream_opts.get("include_usage")), logprobs=logprobs,
+        top_logprobs=top or 0, parallel_tool_calls=opt_parallel(body.get("parallel_tool_calls")),
     )
+
+
+# sampling fields whose neutral value is the only one this proxy honours (the cells are
+# sent none of them: the record's logprobs are those of the plain sampler)
+NEUTRAL = {"frequency_penalty": 0, "presence_penalty": 0}
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields that would change the answer and that the proxy cannot honour: a 400 naming
+    the field, unless it is absent or at its no-op value (what SDKs and harnesses send by
+    default passes)."""
+    refuse_structured_output(body.get("response_format"), "response_format")
+    for key, neutral in NEUTRAL.items():
+        v = body.get(key)
+        if v is not None and v != neutral:
+            raise refuse(key, f"other than {neutral}")
+    if body.get("logit_bias"):
+        raise refuse("logit_bias", "(a non-empty bias)")
+    if body.get("functions") or body.get("function_call") not in (None, "auto", "none"):
+        raise refuse("functions", "(the legacy function-calling fields; send 'tools')")
+    modalities = body.get("modalities")
+    if modalities is not None and modalities != ["text"]:
+        raise refuse("modalities", "other than ['text']")
+    for key in ("audio", "prediction", "web_search_options"):
+        if body.get(key) is not None:
+            raise refuse(key, "")
 
 
 def _message(m: Any, p: str) -> Msg:
@@ -120,8 +148,8 @@ def _usage(fin: Finished) -> dict[str, Any]:
 
 def _logprobs(req: ChatRequest, entries: Any) -> dict[str, Any] | None:
     """OpenAI's ``logprobs`` for the tokens: one entry per generated token (tool-call markup
-    and thinking included, the end-of-turn token not), ``top_logprobs`` empty (the cells
-    are asked for the sampled token's logprob only)."""
+    and thinking included, the end-of-turn token not), each with the cell's ``top_logprobs``
+    likeliest tokens at its position (empty when the caller asked for none)."""
     return {"content": list(entries), "refusal": None} if req.logprobs else None
 
 

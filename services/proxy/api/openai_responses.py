@@ -12,7 +12,8 @@ from ..core.messages import Msg, ToolCall
 from . import openai_chat
 from .common import (
     ApiError, ChatRequest, Finished, GenEvent, Keepalive, TextDelta, ThinkingDelta, ToolCallDone, bad_request, expect,
-    opt_bool, opt_int, opt_number, parse_arguments, text_of, tool_choice_mode, tool_spec,
+    opt_bool, opt_int, opt_number, opt_parallel, parse_arguments, refuse, refuse_structured_output, text_of,
+    tool_choice_mode, tool_spec,
 )
 
 error_body = openai_chat.error_body
@@ -37,20 +38,53 @@ def parse(body: Any) -> ChatRequest:
     if not msgs:
         raise bad_request("'input' must not be empty", "input")
     tools = _tools(body.get("tools") or [], "tools")
+    _refuse_unsupported(body)
     return ChatRequest(
         api="openai_responses", model=model, messages=msgs, tools=tools,
         tool_choice=tool_choice_mode(body.get("tool_choice")),
         max_tokens=opt_int(body, "max_output_tokens", 1, 10**7), temperature=opt_number(body, "temperature", 0, 2),
         top_p=opt_number(body, "top_p", 0, 1), stream=opt_bool(body, "stream"),
+        parallel_tool_calls=opt_parallel(body.get("parallel_tool_calls")),
         extra={k: body[k] for k in ("reasoning", "store", "include", "metadata") if k in body},
     )
+
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _refuse_unsupported(body: dict[str, Any]) -> None:
+    """Fields that would change the answer and that the proxy cannot honour: a 400 naming
+    the field, unless absent or at its no-op value. (Codex sends ``parallel_tool_calls``,
+    honoured, ``include: ["reasoning.encrypted_content"]``, ``text.verbosity``: accepted.)"""
+    text = body.get("text")
+    if text is not None:
+        text = expect(text, dict, "text")
+        refuse_structured_output(text.get("format"), "text.format")
+    top = opt_int(body, "top_logprobs", 0, 20)
+    if top:
+        raise refuse("top_logprobs", "(Responses output carries no logprobs here; use Chat Completions)")
+    include = body.get("include")
+    if include is not None and LOGPROBS_INCLUDE in expect(include, list, "include"):
+        raise refuse("include", f"{LOGPROBS_INCLUDE!r} (Responses output carries no logprobs here; "
+                     "use Chat Completions)")
+    if body.get("truncation") not in (None, "disabled"):
+        raise refuse("truncation", f"{body.get('truncation')!r} (an input over the context is refused, never cut)")
+    if body.get("conversation") is not None:
+        raise refuse("conversation", "(stateless use only: send the whole input, store: false)")
+    if body.get("background"):
+        raise refuse("background", "")
+    if body.get("prompt") is not None:
+        raise refuse("prompt", "(stored prompt templates)")
 
 
 def _tools(raw: Any, param: str) -> list:
     """Function tools; a ``namespace`` (Codex groups MCP tools so) contributes its function
     tools under ``<namespace>.<name>``. Hosted tools (web search, local shell, ...) run on
     OpenAI's side and a self-hosted policy cannot call them: they are left out of the
-    prompt, so the model never sees a tool it cannot use."""
+    prompt, so the model never sees a tool it cannot use. A ``custom`` tool (free-form
+    input, optionally a grammar, as Codex's ``apply_patch`` for some models) is refused:
+    its call comes back as text the grammar would have to constrain, and a client told
+    nothing would wait in vain for a ``custom_tool_call``."""
     out = []
     for i, t in enumerate(expect(raw, list, param)):
         p = f"{param}[{i}]"
@@ -58,6 +92,10 @@ def _tools(raw: Any, param: str) -> list:
         kind = t.get("type")
         if kind == "function":
             out.append(tool_spec(t.get("name"), t.get("description"), t.get("parameters"), p))
+        elif kind == "custom":
+            raise bad_request(f"'{p}': custom (free-form) tool {t.get('name')!r} is not supported by this proxy: "
+                              "give it as a function tool (Codex: a model whose apply_patch tool type is "
+                              "'function', or none)", p)
         elif kind == "namespace":
             for sub in _tools(t.get("tools") or [], f"{p}.tools"):
                 out.append(type(sub)(f"{t.get('name', 'ns')}.{sub.name}", sub.description, sub.parameters))
@@ -122,7 +160,7 @@ def response(req: ChatRequest, fin: Finished, rid: str | None = None) -> dict[st
                   "total_tokens": fin.prompt_tokens + fin.completion_tokens,
                   "input_tokens_details": {"cached_tokens": fin.cached_tokens},
                   "output_tokens_details": {"reasoning_tokens": 0}},
-        "store": False, "parallel_tool_calls": True, "tools": [], "text": {"format": {"type": "text"}},
+        "store": False, "parallel_tool_calls": req.parallel_tool_calls, "tools": [], "text": {"format": {"type": "text"}},
     }
 
 
@@ -148,7 +186,7 @@ async def stream(req: ChatRequest, call_id: str, events: AsyncIterator[GenEvent]
 
     base = {"id": rid, "object": "response", "created_at": int(time.time()), "status": "in_progress",
             "model": req.model, "output": [], "error": None, "incomplete_details": None, "store": False,
-            "parallel_tool_calls": True, "tools": [], "text": {"format": {"type": "text"}}}
+            "parallel_tool_calls": req.parallel_tool_calls, "tools": [], "text": {"format": {"type": "text"}}}
     yield ev("response.created", {"response": base})
     yield ev("response.in_progress", {"response": base})
     items: list[dict[str, Any]] = []  # finished items, at their output_index
