@@ -169,3 +169,16 @@ def test_text_utf8_cannot_carry_is_published_escaped_not_refused() -> None:
     assert (back.tests[0].name, back.tests[0].message) == ("t\\xff", "m\\ud83d")
     plain = ev.RolloutScored(run_id="r", rollout_id="x", score=0.5)
     assert plain.to_json() == ev.decode(plain.to_json()).to_json()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_float_is_refused_when_the_event_is_made(bad) -> None:
+    # JSON has no NaN or infinity: the wire form wrote null, which no consumer could decode,
+    # so the event was lost after its publish succeeded. The publisher is told instead.
+    with pytest.raises(ValidationError, match="loss"):
+        ev.MicroStepDone(run_id="r", step=0, micro_step="m", cell="c", weight_version=0, n_tokens=1, loss=bad)
+    with pytest.raises(ValidationError, match="advantages"):
+        ev.MicroStepQueued(run_id="r", step=0, micro_step="m", group_id="g", sample_digests=[D],
+                           advantages=[bad], n_tokens=1)
+    ok = ev.MicroStepDone(run_id="r", step=0, micro_step="m", cell="c", weight_version=0, n_tokens=1, loss=1e308)
+    assert ev.decode(ok.to_json()) == ok

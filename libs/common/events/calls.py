@@ -33,14 +33,14 @@ class DriftClass(str, enum.Enum):
 class WeightSpan(BaseModel):
     """Output tokens [start, end) were produced by weight ``version``."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     start: int = Field(ge=0)
     end: int = Field(ge=0)
     version: int = Field(ge=0)
 
 
 class SessionHints(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     agent_id: str | None = None  # e.g. Claude Code's x-claude-code-agent-id (sub-agents only)
     parent_agent_id: str | None = None  # x-claude-code-parent-agent-id (nested sub-agents)
     system_digest: Digest | None = None
@@ -51,7 +51,7 @@ class SessionHints(BaseModel):
 
 
 class CallTimings(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     queued_ms: float = Field(default=0.0, ge=0)
     first_token_ms: float | None = Field(default=None, ge=0)
     total_ms: float = Field(default=0.0, ge=0)

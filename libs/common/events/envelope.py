@@ -73,7 +73,7 @@ def subject_token(value: str) -> str:
 class Event(BaseModel):
     """Base of every event. Subclasses add the payload fields and set the class vars."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     TYPE: ClassVar[str] = ""
     CONTEXT: ClassVar[Context]

@@ -12,7 +12,7 @@ from .registry import register
 
 class TestOutcome(BaseModel):
     __test__ = False  # not a pytest class
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     name: str
     outcome: Literal["passed", "failed", "error", "skipped", "missing"]
     weight: float = Field(default=1.0, ge=0)

@@ -29,7 +29,7 @@ class ForkDetected(Event):
 
 
 class SampleRef(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
     digest: Digest
     role: BranchRole
     n_tokens: int = Field(ge=0)
