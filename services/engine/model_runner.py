@@ -13,6 +13,7 @@ grows by doubling. The prefix cache stores slices of it (see :mod:`.kv_cache`).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,6 +28,13 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
+
+# The one-row output kernel "auto" chose, per output matrix shape and thread count, for
+# the whole process: two runners in one process (the cells of a test or of one host's
+# embedded run) must round alike, or a session moved between them with its KV cache
+# continues with other logprobs than it would have where it was.
+_ONE_ROW_CHOICE: dict[tuple, str] = {}
+_ONE_ROW_LOCK = threading.Lock()
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 # A step whose biggest layer matmul is under this many multiply-adds runs its layer pass on
 # one thread. Its ops are tiny (a decode step of tiny-qwen: 8 rows x 128 x 384), and torch
@@ -301,14 +309,23 @@ class ModelRunner:
 
     def _choose_one_row_kernel(self, hidden: torch.Tensor) -> str:
         """The one-row output kernel: the configured one, or under "auto" the faster of the
-        two, timed here once (interleaved, best of 5 each after a warm-up) and then kept,
-        so one process's outputs never switch kernels mid-run (they round differently)."""
+        two, timed once per process and matrix shape (interleaved, best of 5 each after a
+        warm-up) and then kept, so one process's outputs never switch kernels mid-run and
+        its runners never differ (the kernels round differently)."""
         if self.output_kernel not in ("auto", "linear", "blocked"):
             raise ValueError(f"output_kernel must be auto, linear or blocked, not {self.output_kernel!r}")
         if self.output_kernel != "auto":
             return self.output_kernel if self._blocked_usable() else "linear"
         if not self._blocked_usable():
             return "linear"
+        weight = self._lm_head.weight
+        key = (tuple(weight.shape), str(weight.dtype), self._lm_groups, self.threads)
+        with _ONE_ROW_LOCK:  # one timing per process and shape; later runners take its answer
+            if key not in _ONE_ROW_CHOICE:
+                _ONE_ROW_CHOICE[key] = self._time_one_row_kernels(hidden)
+            return _ONE_ROW_CHOICE[key]
+
+    def _time_one_row_kernels(self, hidden: torch.Tensor) -> str:
         best = {"linear": float("inf"), "blocked": float("inf")}
         for round_ in range(6):
             for kernel in best:

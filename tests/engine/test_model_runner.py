@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.engine import model_runner
 from services.engine.model_runner import ForwardItem, ModelRunner, ThreadChoice
 from services.engine.model_store import ModelLocation
 
@@ -86,6 +87,7 @@ def test_output_head_matches_transformers(kernel):
 def test_auto_output_kernel_is_chosen_once_and_kept(monkeypatch):
     # The two one-row kernels round differently, so "auto" times them once and then keeps
     # the faster for the runner's life, however the later timings go.
+    monkeypatch.setattr(model_runner, "_ONE_ROW_CHOICE", {})  # as in a fresh process
     model = _qwen2(5, vocab=16384, positions=128)
     runner = ModelRunner(model, ModelLocation(Path(".")))
     timed = []
@@ -104,6 +106,21 @@ def test_auto_output_kernel_is_chosen_once_and_kept(monkeypatch):
     bad.output_kernel = "gemv"
     with pytest.raises(ValueError, match="output_kernel"):
         bad.forward([ForwardItem(bad.new_kv(4), [5], True)])
+
+
+def test_runners_of_one_process_use_one_output_kernel(monkeypatch):
+    # Two engines in one process timed the kernels each for itself: under load one took
+    # "linear", the other "blocked", and a session moved between them with its KV cache
+    # went on with other logprobs than on its source (the migration tests' rare failure).
+    monkeypatch.setattr(model_runner, "_ONE_ROW_CHOICE", {})
+    model = _qwen2(5, vocab=16384, positions=128)
+    first, second = ModelRunner(model, ModelLocation(Path("."))), ModelRunner(model, ModelLocation(Path(".")))
+    first.forward([ForwardItem(first.new_kv(4), [5, 6, 7], True)])
+    other = "linear" if first._one_row_kernel == "blocked" else "blocked"
+    monkeypatch.setattr(second, "_time_one_row_kernels", lambda hidden: other)  # its own timing would differ
+    a = first.forward([ForwardItem(first.new_kv(4), [5, 6, 7], True)])
+    b = second.forward([ForwardItem(second.new_kv(4), [5, 6, 7], True)])
+    assert second._one_row_kernel == first._one_row_kernel and torch.equal(a, b)
 
 
 def test_multi_row_output_follows_weight_writes():
