@@ -188,3 +188,65 @@ def test_the_sweep_leaves_a_live_runners_harnesses_alone(tmp_path) -> None:
     finally:
         child.kill()
         child.wait()
+
+
+_RUNNER_OF_A_GROUP = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from libs.common.blobs import MemoryBlobStore
+    from libs.common.bus.memory import InMemoryBus
+    from services.runner.harness import HarnessConfig
+    from services.runner.runner import RolloutRunner, RunnerConfig
+    from services.runner.tasks import Task
+    work = Path(sys.argv[1])
+    # the harness's shell, a child of the group, and one that ignores SIGTERM (SIGKILL it takes)
+    h = HarnessConfig("sh", ("/bin/sh", "-c",
+                             "sleep 300 & sh -c 'trap \\"\\" TERM; sleep 300' & "
+                             "echo $$ > ../harness.pid; sleep 300"))
+    r = RolloutRunner(RunnerConfig("r", "http://proxy:1", work, harness=h, keep_workspaces=True),
+                      bus=InMemoryBus(), blobs=MemoryBlobStore())
+    asyncio.run(r.run_step(0, [Task("demo", "hi\\n", time_limit_s=120)], 1))
+""")
+
+
+def _group_members(pgid: int) -> list[int]:
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry.name}/stat").read_bytes().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[2]) == pgid and fields[0] != b"Z":
+            found.append(int(entry.name))
+    return found
+
+
+def test_the_whole_harness_group_dies_with_its_runner_without_a_next_runner(tmp_path) -> None:
+    work = tmp_path / "work"
+    proc = subprocess.Popen([sys.executable, "-c", _RUNNER_OF_A_GROUP, str(work)], cwd=ROOT)
+    pgid, members = 0, []
+    try:
+        for _ in range(400):  # the shell and its three children (two sleeps, one subshell)
+            f = next(iter(work.glob("*/harness.pid")), None)
+            if f is not None and f.read_text().strip():
+                pgid = os.getpgid(int(f.read_text()))
+                members = _group_members(pgid)
+                if len(members) >= 5:  # and the supervisor leading the group
+                    break
+            time.sleep(0.05)
+        assert len(members) >= 5, f"the harness never started its children: {members}"
+        assert pgid in members and pgid != int(f.read_text())  # the supervisor leads the group
+        proc.send_signal(signal.SIGKILL)  # the runner dies hard mid-rollout (no next runner sweeps)
+        proc.wait()
+        t0 = time.monotonic()
+        while _group_members(pgid) and time.monotonic() - t0 < 5:
+            time.sleep(0.05)
+        assert _group_members(pgid) == [], "processes of the harness's group outlived their runner"
+        assert time.monotonic() - t0 < 3
+    finally:
+        for pid in _group_members(pgid) if pgid else []:
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()

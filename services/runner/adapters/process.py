@@ -1,22 +1,25 @@
 """Harness processes: each in its own session (so its process group can be killed as a
 whole, children included), output to a log file, waited on with a deadline.
 
-A harness does not outlive its runner: its leader gets SIGKILL when the runner dies
-(``PR_SET_PDEATHSIG``, even on the runner's own SIGKILL), and a runner starting sweeps
-what a dead runner's harnesses left (``kill_orphans``: every process of ours marked with
+A harness does not outlive its runner: it runs under a supervisor (``libs.common.procs``)
+that leads its group, gets SIGTERM when the runner dies (``PR_SET_PDEATHSIG``, even on the
+runner's own SIGKILL) and then kills the whole group, SIGTERM first; to the runner it reads
+as the harness (exit status, start errors). A runner starting sweeps what a dead runner's
+harnesses left outside their group (``kill_orphans``: every process of ours marked with
 the pid of a runner no longer alive)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.common.procs import die_with_parent
+from libs.common.procs import die_with_parent, supervised, supervised_error
 
 
 @dataclass
@@ -54,10 +57,12 @@ class HarnessProcess:
 
 MARK_VAR = "GYRE_ROLLOUT_ID"  # set in every harness's environment; inherited by what it starts
 RUNNER_VAR = "GYRE_RUNNER_PID"  # ... and the pid of the runner that started it
+ORPHAN_GRACE_S = 1.0  # a dead runner's harness group: SIGTERM, then SIGKILL this much later (at most)
 
 log = logging.getLogger(__name__)
 
-_die_with_runner = die_with_parent(signal.SIGKILL)
+# the supervisor gets SIGTERM (it handles it: the group goes) when the runner dies
+_die_with_runner = die_with_parent(signal.SIGTERM)
 
 
 def _environ_of(pid: str) -> list[bytes] | None:
@@ -126,10 +131,67 @@ def kill_marked(mark: str, *, passes: int = 5) -> int:
     return killed
 
 
+async def _read_report(fd: int) -> bytes:
+    """What the supervisor writes on ``fd`` up to EOF, read without blocking the loop."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[None] = loop.create_future()
+    chunks: list[bytes] = []
+
+    def readable() -> None:
+        try:
+            data = os.read(fd, 256)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data:
+            chunks.append(data)
+        elif not done.done():
+            done.set_result(None)
+
+    os.set_blocking(fd, False)
+    loop.add_reader(fd, readable)
+    try:
+        await done
+    finally:
+        loop.remove_reader(fd)
+    return b"".join(chunks)
+
+
 async def launch(argv: list[str], *, cwd: Path, env: dict[str, str], log_file: Path) -> HarnessProcess:
-    """Start a harness; raises OSError when the program cannot be started."""
-    with log_file.open("ab") as log:
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=str(cwd), env=env, stdin=asyncio.subprocess.DEVNULL,
-                                                    stdout=log, stderr=asyncio.subprocess.STDOUT,
-                                                    start_new_session=True, preexec_fn=_die_with_runner)
-    return HarnessProcess(proc)
+    """Start a harness under a supervisor (``libs.common.procs``) that leads its process
+    group and takes the whole group down if the runner dies; raises OSError when the
+    program cannot be started (the error a direct start raises)."""
+    if not argv:
+        raise OSError(errno.EINVAL, "a harness needs a command")
+    ready_r, ready_w = os.pipe()
+    try:
+        with log_file.open("ab") as log:
+            proc = await asyncio.create_subprocess_exec(
+                *supervised(argv, ready_fd=ready_w, parent_pid=os.getpid(), grace_s=ORPHAN_GRACE_S),
+                cwd=str(cwd), env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_runner,
+                pass_fds=(ready_w,))
+    except BaseException:
+        os.close(ready_r)
+        raise
+    finally:
+        os.close(ready_w)
+    harness = HarnessProcess(proc)
+    try:
+        report = await _read_report(ready_r)
+    except BaseException:  # cancelled while it started: leave nothing running
+        harness.signal_group(signal.SIGKILL)
+        raise
+    finally:
+        os.close(ready_r)
+    error = supervised_error(report, argv[0])
+    if error is not None:  # the supervisor exits 127 at once: nothing of the group runs
+        try:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(proc.wait(), 10)
+        finally:
+            if proc.returncode is None:
+                harness.signal_group(signal.SIGKILL)
+        raise error
+    return harness
