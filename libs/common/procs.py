@@ -23,7 +23,10 @@ parent gave), and:
 - when its parent dies (the death signal, or its parent pid changed; also checked twice a
   second), sends SIGTERM to the whole group, SIGKILL after ``grace_s`` (or as soon as the
   group is empty), itself included (when it leads no group of its own, the child alone).
-  The child gets SIGKILL should the supervisor itself be killed hard.
+  With a ``mark`` (an environment entry such as ``GYRE_ROLLOUT_ID=r1`` that the program's
+  processes inherit), every process of the user's that carries it goes the same way: what
+  the program started in a session or group of its own (``setsid``, a daemon) is out of
+  the group's reach. The child gets SIGKILL should the supervisor itself be killed hard.
 
 It imports only the standard library (run as ``python -I -S procs.py``: a few tens of ms).
 """
@@ -57,11 +60,42 @@ _SUPERVISE = "--supervise"
 
 
 def supervised(argv: list[str], *, ready_fd: int, parent_pid: int, grace_s: float,
-               python: str = sys.executable) -> list[str]:
+               mark: str | None = None, python: str = sys.executable) -> list[str]:
     """The argv that runs ``argv`` under a supervisor (see the module's doc); ``ready_fd``
-    must be passed to it (``pass_fds``)."""
+    must be passed to it (``pass_fds``). ``mark``: ``NAME=value``, an entry of the
+    environment the supervisor is started with (so of every process the program starts)."""
+    if mark is not None and (not mark or "=" not in mark or "\0" in mark or mark.startswith("=")):
+        raise ValueError(f"a supervisor's mark is an environment entry NAME=value, not {mark!r}")
     return [python, "-I", "-S", os.path.abspath(__file__), _SUPERVISE, str(ready_fd), str(parent_pid),
-            repr(float(grace_s)), "--", *argv]
+            repr(float(grace_s)), mark or "", "--", *argv]
+
+
+def signal_marked(entry: bytes, sig: int, *, skip: tuple[int, ...] = ()) -> int:
+    """Sends ``sig`` to every process of ours whose environment holds ``entry`` (``NAME=value``),
+    but this one and ``skip``; how many it reached. Linux only (reads /proc: elsewhere 0);
+    a process that cleared its environment, runs as another user, or is a zombie is not
+    found."""
+    skip = (os.getpid(), *skip)
+    reached = 0
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return 0
+    for name in entries:
+        if not name.isdigit() or int(name) in skip:
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:  # gone, or not ours to read
+            continue
+        if entry in env:
+            try:
+                os.kill(int(name), sig)
+                reached += 1
+            except OSError:
+                pass
+    return reached
 
 
 def supervised_error(report: bytes, program: str) -> OSError | None:
@@ -156,8 +190,9 @@ def _others_in_group(pgid: int) -> bool | None:
     return False
 
 
-def _orphaned(child: int | None, grace_s: float) -> None:
-    """The parent died: the group goes, SIGTERM first, this process last."""
+def _orphaned(child: int | None, grace_s: float, mark: bytes = b"") -> None:
+    """The parent died: the group goes, and what carries ``mark``; SIGTERM first, this
+    process last."""
     pgid = os.getpgrp()
     leader = pgid == os.getpid()  # else the group is not ours to kill: the child alone goes
 
@@ -171,6 +206,7 @@ def _orphaned(child: int | None, grace_s: float) -> None:
             pass
 
     kill(signal.SIGTERM)
+    marked = bool(mark) and signal_marked(mark, signal.SIGTERM) > 0
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
         if child is not None:
@@ -179,9 +215,15 @@ def _orphaned(child: int | None, grace_s: float) -> None:
                     child = None
             except ChildProcessError:
                 child = None
-        if (_others_in_group(pgid) is False) if leader else child is None:
+        if marked:  # still some? (signal 0 only asks)
+            marked = signal_marked(mark, 0) > 0
+        if not marked and ((_others_in_group(pgid) is False) if leader else child is None):
             break
         signal.sigtimedwait({signal.SIGCHLD}, 0.05)
+    if mark:
+        for _ in range(5):  # again while it finds some: a process may fork while we look
+            if not signal_marked(mark, signal.SIGKILL):
+                break
     kill(signal.SIGKILL)
     os._exit(1)
 
@@ -198,13 +240,13 @@ def _from_outside(info: signal.struct_siginfo, parent: int) -> bool:
 
 
 def _supervise(args: list[str]) -> None:
-    ready_fd, parent, grace_s = int(args[0]), int(args[1]), float(args[2])
-    argv = args[4:]
+    ready_fd, parent, grace_s, mark = int(args[0]), int(args[1]), float(args[2]), os.fsencode(args[3])
+    argv = args[5:]
     watched = _signals()
     mask = signal.pthread_sigmask(signal.SIG_BLOCK, watched)  # the parent's: the child gets it back
     os.set_inheritable(ready_fd, False)
     if os.getppid() != parent:  # the parent died before the death signal was set
-        _orphaned(None, 0.0)
+        _orphaned(None, 0.0, mark)
     if not argv:
         os.write(ready_fd, str(22).encode())  # EINVAL
         os._exit(127)
@@ -221,7 +263,7 @@ def _supervise(args: list[str]) -> None:
     while True:
         info = signal.sigtimedwait(watched, 0.5)
         if os.getppid() != parent:
-            _orphaned(child, grace_s)
+            _orphaned(child, grace_s, mark)
         pid, status = os.waitpid(child, os.WNOHANG)
         if pid:
             _exit_as(status)

@@ -69,3 +69,11 @@ async def test_a_signal_to_the_supervisor_alone_reaches_the_harness_once(tmp_pat
     assert status == 5
     said = [line for line in (tmp_path / "log").read_text().splitlines() if line.startswith(("usr1", "term"))]
     assert said == ["usr1 1", "usr1 2", "term"]  # (the group's SIGUSR1 also ended a sleep: sh says so)
+
+
+@pytest.mark.parametrize("mark", ["", "NAME", "=value", "A=b\0c"])
+def test_a_supervisor_mark_must_be_an_environment_entry(mark) -> None:
+    from libs.common.procs import supervised
+
+    with pytest.raises(ValueError, match="NAME=value"):
+        supervised(["true"], ready_fd=3, parent_pid=1, grace_s=1.0, mark=mark)

@@ -3,10 +3,12 @@ whole, children included), output to a log file, waited on with a deadline.
 
 A harness does not outlive its runner: it runs under a supervisor (``libs.common.procs``)
 that leads its group, gets SIGTERM when the runner dies (``PR_SET_PDEATHSIG``, even on the
-runner's own SIGKILL) and then kills the whole group, SIGTERM first; to the runner it reads
-as the harness (exit status, start errors). A runner starting sweeps what a dead runner's
-harnesses left outside their group (``kill_orphans``: every process of ours marked with
-the pid of a runner no longer alive)."""
+runner's own SIGKILL) and then kills the whole group, SIGTERM first, and every process
+that carries the harness's rollout mark (``GYRE_ROLLOUT_ID``: what it started in a session
+of its own); to the runner it reads as the harness (exit status, start errors). A runner
+starting sweeps what a dead runner's harnesses may still have left (``kill_orphans``:
+every process of ours marked with the pid of a runner no longer alive; e.g. when the
+supervisor itself was killed hard)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from libs.common.procs import die_with_parent, supervised, supervised_error
+from libs.common.procs import die_with_parent, signal_marked, supervised, supervised_error
 
 
 @dataclass
@@ -113,18 +115,9 @@ def kill_marked(mark: str, *, passes: int = 5) -> int:
     forgot) and so outlived the group kill. Linux only (reads /proc); a process that
     cleared its environment, or runs as another user, is not found. Returns how many."""
     needle = f"{MARK_VAR}={mark}".encode()
-    me, killed = os.getpid(), 0
+    killed = 0
     for _ in range(passes):  # again while it finds some: a process may fork while we look
-        found = 0
-        with contextlib.suppress(OSError):
-            for entry in os.scandir("/proc"):
-                if not entry.name.isdigit() or int(entry.name) == me:
-                    continue
-                env = _environ_of(entry.name)
-                if env is not None and needle in env:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(int(entry.name), signal.SIGKILL)
-                        found += 1
+        found = signal_marked(needle, signal.SIGKILL)
         killed += found
         if not found:
             break
@@ -168,7 +161,8 @@ async def launch(argv: list[str], *, cwd: Path, env: dict[str, str], log_file: P
     try:
         with log_file.open("ab") as log:
             proc = await asyncio.create_subprocess_exec(
-                *supervised(argv, ready_fd=ready_w, parent_pid=os.getpid(), grace_s=ORPHAN_GRACE_S),
+                *supervised(argv, ready_fd=ready_w, parent_pid=os.getpid(), grace_s=ORPHAN_GRACE_S,
+                            mark=f"{MARK_VAR}={env[MARK_VAR]}" if env.get(MARK_VAR) else None),
                 cwd=str(cwd), env=env, stdin=asyncio.subprocess.DEVNULL, stdout=log,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_runner,
                 pass_fds=(ready_w,))
