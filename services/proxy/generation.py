@@ -13,6 +13,11 @@ When no cell is left to try (every active one failed the call, or none is active
 caller's ``again`` decides: it may wait (a streamed call that has shown nothing yet waits
 for a cell, see ``ProxyService``) and answer True, and the call tries every active cell
 again, still from the tokens already produced.
+
+A stop the caller's ``resume`` calls false (the proxy's own ``</tool_call>`` stop written
+inside the model's thinking, where it closes no call) does not end the generation either:
+it goes on, on the same cell, from the tokens produced so far (the cell's prefix cache
+holds them), as one answer.
 """
 
 from __future__ import annotations
@@ -73,6 +78,7 @@ class CellRejected(RuntimeError):
 
 _aborts: set[asyncio.Task] = set()
 ABORT_TIMEOUT_S = 5.0
+MAX_RESUMES = 64  # false stops one call goes on after (each one needs new tokens anyway)
 
 
 def _version(meta: dict[str, Any]) -> int:
@@ -86,15 +92,19 @@ def _version(meta: dict[str, Any]) -> int:
 async def generate(router: Router, clients: dict[str, CellClient], session: str, rid: str, input_ids: list[int],
                    sampling: dict[str, Any], outcome: Outcome, *, max_attempts: int = 4,
                    again: Callable[[str], Awaitable[bool]] | None = None,
-                   top_logprobs: int = 0) -> AsyncIterator[Piece]:
+                   top_logprobs: int = 0,
+                   resume: Callable[[list[int], Any], Awaitable[bool]] | None = None) -> AsyncIterator[Piece]:
     """Yield output pieces until the generation finishes; fill ``outcome`` at the end.
 
     At most ``max_attempts`` cells are tried, each once; then (or when no active cell is
     left to try) ``await again(why)`` says whether to try them all once more (it waits
     first), else CellFailure. Attempt ``n`` runs as request ``{rid}-{n}`` on the cell
     ``outcome.cells[n]``. ``top_logprobs`` > 0 asks each cell for that many likeliest
-    tokens at every output position (``Piece.top_logprobs``)."""
+    tokens at every output position (``Piece.top_logprobs``). ``resume(produced, matched)``,
+    asked when a cell stops at a stop string (``matched``) after new tokens: True goes on
+    generating from there (the stop was not one; at most ``MAX_RESUMES`` times)."""
     produced: list[int] = []
+    resumes = 0
     budget = int(sampling.get("max_new_tokens", 128))
     tried: set[str] = set()
     attempt = 0  # over the whole call: each attempt is its own request id
@@ -117,6 +127,7 @@ async def generate(router: Router, clients: dict[str, CellClient], session: str,
         left -= 1
         outcome.cells.append(cell)
         router.begin(cell)
+        resumed = False
         try:
             params = dict(sampling, max_new_tokens=budget - len(produced))
             seen = 0
@@ -145,8 +156,14 @@ async def generate(router: Router, clients: dict[str, CellClient], session: str,
                         raise CellFailure(f"cell {cell} aborted the request: {fin}")
                     outcome.finish_reason = kind
                     outcome.matched_stop = fin.get("matched") if isinstance(fin, dict) else None
+                    if kind == "stop" and resume is not None and seen and resumes < MAX_RESUMES \
+                            and len(produced) < budget and await resume(produced, outcome.matched_stop):
+                        resumes += 1
+                        resumed = True
+                        break
                     return
-            raise CellFailure(f"cell {cell} closed the stream without finishing")
+            if not resumed:
+                raise CellFailure(f"cell {cell} closed the stream without finishing")
         except (httpx.TransportError, CellFailure) as exc:
             _note_failure(router, cell, exc)
             _abort_later(clients[cell], f"{rid}-{attempt}")
@@ -161,6 +178,9 @@ async def generate(router: Router, clients: dict[str, CellClient], session: str,
         finally:
             router.end(cell)
         attempt += 1
+        if resumed:  # not a failure: the same cell goes on (it is not excluded)
+            left += 1
+            continue
         if len(produced) >= budget:
             outcome.finish_reason = "length"
             return

@@ -36,7 +36,7 @@ from .core.hints import continuation_index, request_kind
 from .core.messages import text_digest, tools_key
 from .core.routing import CellState, NoCellAvailable, Router
 from .core.tito import Plan, Renderer, TemplateError
-from .core.toolparse import CALL_CLOSE, Parsed, StreamParser, parse_output, partial_tail
+from .core.toolparse import CALL_CLOSE, Parsed, StreamParser, call_opened, parse_output, partial_tail
 from .generation import CellClient, CellFailure, CellRejected, Outcome, generate
 from .history import RolloutBook, RolloutState, encode_match_index, key_digest
 
@@ -505,9 +505,10 @@ class ProxyService:
         (``_wait_for_cell``)."""
         again = functools.partial(self._wait_for_cell, call)
         top = req.top_logprobs if req.logprobs else 0
+        resume = self._false_call_stop if req.single_call_stop else None
         try:
             async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids,
-                                        sampling, call.outcome, again=again, top_logprobs=top):
+                                        sampling, call.outcome, again=again, top_logprobs=top, resume=resume):
                 yield piece
             return
         except CellRejected as exc:
@@ -520,8 +521,18 @@ class ProxyService:
         call.outcome = Outcome()
         async for piece in generate(self.router, self.clients, call.session, call.call_id, call.input_ids,
                                     dict(sampling, max_new_tokens=max_new), call.outcome, again=again,
-                                    top_logprobs=top):
+                                    top_logprobs=top, resume=resume):
             yield piece
+
+    async def _false_call_stop(self, produced: list[int], matched: Any) -> bool:
+        """``generate``'s ``resume`` with parallel tool calls off: whether the cell's stop at
+        the proxy's ``</tool_call>`` closed no call, because the model wrote it inside its
+        thinking or in plain text (no ``<tool_call>`` opened after the thinking); then the
+        generation goes on, as it would have without that stop."""
+        if matched != CALL_CLOSE:
+            return False
+        text = await self.off_loop(self.renderer.decode, self._visible(produced))
+        return not call_opened(text)
 
     async def _wait_for_cell(self, call: "_Call", why: str) -> bool:
         """``generate``'s ``again``: every cell failed the call, or none is active. A stream

@@ -94,7 +94,9 @@ class ChatRequest:
     def single_call_stop(self) -> bool:
         """The generation ends where the first tool call closes (no parallel calls): the
         model's own call markup, matched by the cell as a stop string (kept in the output,
-        ``no_stop_trim``), so the reply holds that one call and the record every token."""
+        ``no_stop_trim``), so the reply holds that one call and the record every token. A
+        stop there that closes no call (written inside the thinking) is not an end: the
+        generation goes on from it (``generation.generate``'s ``resume``)."""
         return not self.parallel_tool_calls and bool(self.tools) and self.tool_choice != "none" \
             and CALL_CLOSE not in self.stop
 

@@ -62,6 +62,19 @@ def parse_output(text: str, stop_texts: tuple[str, ...] = (), parse_calls: bool 
     return Parsed(p.content, p.tool_calls, p.reasoning)
 
 
+def call_opened(text: str) -> bool:
+    """Whether ``text`` (a reply so far) opens a tool call where ``StreamParser`` reads one:
+    after the thinking (a reply that begins with ``<think>`` and has not closed it yet has
+    opened none)."""
+    body = text.lstrip()
+    if body.startswith(THINK_OPEN):
+        end = body.find(THINK_CLOSE, len(THINK_OPEN))
+        if end < 0:
+            return False
+        body = body[end + len(THINK_CLOSE):]
+    return CALL_OPEN in body
+
+
 @dataclass
 class StreamParser:
     stop_texts: tuple[str, ...] = ()
