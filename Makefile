@@ -21,8 +21,11 @@ $(STAMP): requirements.txt requirements/*.txt pyproject.toml
 run: $(STAMP)
 	$(BIN)/gyre up -c configs/embedded.yaml
 
+# the suite runs in PYTEST_WORKERS processes (pytest-xdist); 0 runs it in this one
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
 
 bench-bus: $(STAMP)
 	$(BIN)/gyre bench bus --json
