@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import sys
@@ -442,7 +443,21 @@ def _one_line(exc: BaseException) -> str:
     return text
 
 
+def _short_helps(typer_app: typer.Typer) -> None:
+    """A command list shows each command's first paragraph on its own lines; a docstring's
+    hard line breaks would break it mid-sentence ("temperature / 0, through"): give each
+    command without a ``short_help`` that paragraph as one line, which the list wraps."""
+    for info in typer_app.registered_commands:
+        doc = info.help if info.help is not None else (info.callback.__doc__ if info.callback else None)
+        if info.short_help is None and doc:
+            info.short_help = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _short_helps(group.typer_instance)
+
+
 def main() -> None:
+    _short_helps(app)
     try:
         app()
     except _user_errors() as exc:  # a clear line, not a traceback, for mistakes a user can fix

@@ -25,6 +25,14 @@ def test_help_lists_the_commands() -> None:
     assert res.returncode == 0
     for cmd in ("up", "serve", "events", "replay", "db", "bench"):
         assert cmd in res.stdout
+    # each command's summary flows as one paragraph: a docstring's hard line breaks do not
+    # cut it mid-sentence (wide enough, each fits on one line)
+    wide = gyre("--help", env={"COLUMNS": "240"})
+    lines = wide.stdout.splitlines()
+    for start, end in (("Greedy success", "(no updates)."), ("Start the embedded stack", "report.html."),
+                       ("Run one service", '"Settings").')):
+        line = next(x for x in lines if start in x)
+        assert end in line, wide.stdout
 
 
 def test_up_check_starts_the_embedded_stack_healthy(tmp_path) -> None:
