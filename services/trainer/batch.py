@@ -13,7 +13,10 @@ Loss data: only positions with ``loss_mask`` 1 are targets, each with the packin
 weight (1/N per execution, shared prefixes counted once) and the temperature its
 behaviour logprob was taken under (the backends divide that target's logits by it). The trainer sums weight x
 token loss and divides by the number of executions in the whole step, so micro-steps
-can be reduced by plain summation.
+can be reduced by plain summation. An execution split into pieces of which some were
+refused (one piece too stale, say) counts in that number by the share of its trained
+tokens the step kept (``TreeBatch.shares``), so its kept tokens weigh what they would
+in a whole execution and the others' loss is not diluted.
 
 ``branch_batch`` builds the per-branch reference from the same samples: every selected
 branch on its own (positions 0..L-1, plain causal attention), each occurrence of a
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +67,9 @@ class TreeBatch:
     # [t] float32: the temperature each target's behaviour logprob was taken under; the
     # target's logprob is scored from logits / temperature. None: all 1.0 (no division).
     target_temperatures: torch.Tensor | None = None
+    # rollout id -> (its trained tokens in this batch, its execution's trained tokens): the
+    # share of each execution this batch trains (1 once all its pieces are in)
+    shares: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     @property
     def n_tokens(self) -> int:
@@ -226,6 +232,10 @@ def _layout(seg_of: list[int], parents: list[int], starts: list[int]) -> TreeLay
 
 def _assemble(tok, pos, layout, src, tgt, w, blp, adv, temp, samples) -> TreeBatch:
     executions = tuple(dict.fromkeys(p.rollout_id for p, _ in samples))
+    shares: dict[str, tuple[int, int]] = {}
+    for p, _ in samples:
+        kept, _n = shares.get(p.rollout_id, (0, 0))
+        shares[p.rollout_id] = (kept + sum(1 for m in p.loss_mask if m), int(p.n_execution_trained_tokens))
     tempered = any(t != 1.0 for t in temp)
     return TreeBatch(
         input_ids=torch.tensor(tok, dtype=torch.long), position_ids=torch.tensor(pos, dtype=torch.long),
@@ -233,4 +243,4 @@ def _assemble(tok, pos, layout, src, tgt, w, blp, adv, temp, samples) -> TreeBat
         target_ids=torch.tensor(tgt, dtype=torch.long), weights=torch.tensor(w, dtype=torch.float32),
         behaviour_logprobs=torch.tensor(blp, dtype=torch.float32),
         advantages=torch.tensor(adv, dtype=torch.float32), executions=executions,
-        target_temperatures=torch.tensor(temp, dtype=torch.float32) if tempered else None)
+        target_temperatures=torch.tensor(temp, dtype=torch.float32) if tempered else None, shares=shares)

@@ -460,6 +460,11 @@ class CoreTrainer:
             del self._applied_here[old]
         cause = plan.cause
         stats["rejected_samples"] = float(len(r.rejected))
+        partial = r.partial_executions()
+        if partial:  # (only then: the stats of steps without any stay as they were)
+            stats["partial_executions"] = float(len(partial))
+            log.warning("core: step %d trained %d execution(s) only in part (a piece of each was refused; each "
+                        "counts by the share of its tokens kept): %s", r.step, len(partial), ", ".join(partial[:5]))
         applied_ev = StepApplied(**cause.caused(
             event_id=_event_id(self.settings.run_id, "StepApplied", r.step), step=r.step,
             weight_version=self.state.weight_version, micro_steps_used=list(r.used),

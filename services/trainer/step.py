@@ -4,13 +4,17 @@
 ``sum_t weight_t loss_t`` (flattened, parameter order of the backend) with the loss
 statistics. ``StepReducer`` is the core's side: it adds the gradients of the current
 weight version, refuses stale ones, divides by the step's execution count and applies
-one optimizer update, or none when the loss is not finite.
+one optimizer update, or none when the loss is not finite. An execution counts by the
+share of its trained tokens the step kept: 1 when every piece of it was trained, less
+when a piece was refused (too stale, a missing blob), so its kept tokens weigh as in a
+whole execution and do not dilute the others'.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 
 import torch
 
@@ -42,6 +46,9 @@ class MicroResult:
     n_targets: int
     stats: dict[str, float]
     gradient: torch.Tensor | None  # flat fp32, None when the loss was not finite
+    # rollout id -> (its trained tokens here, its execution's): ``TreeBatch.shares``; an
+    # execution a cell did not report a share for counts whole
+    shares: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 def compute_micro_step(backend: PolicyBackend, batch: TreeBatch, config: TrainConfig, *,
@@ -66,7 +73,7 @@ def compute_micro_step(backend: PolicyBackend, batch: TreeBatch, config: TrainCo
         "weight": float(w.sum()),  # sum of weights: the executions' share this micro-step covers
     }
     return MicroResult(micro_step, weight_version, batch.executions, value, batch.n_tokens,
-                       batch.n_targets, stats, gradient)
+                       batch.n_targets, stats, gradient, dict(batch.shares))
 
 
 def flatten_grads(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -104,6 +111,8 @@ class StepReducer:
     loss_sum: float = 0.0
     stat_sums: dict[str, float] = field(default_factory=dict)
     n_tokens: int = 0
+    kept: dict[str, int] = field(default_factory=dict)  # rollout id -> its trained tokens added
+    totals: dict[str, int] = field(default_factory=dict)  # rollout id -> its execution's trained tokens
 
     def add(self, result: MicroResult) -> bool:
         """Takes a micro-step's result; False (and noted as dropped) if it is stale."""
@@ -114,6 +123,9 @@ class StepReducer:
             return True  # a redelivered duplicate: already counted
         self.used.append(result.micro_step)
         self.executions.update(result.executions)
+        for rollout, (kept, total) in result.shares.items():
+            self.kept[rollout] = self.kept.get(rollout, 0) + int(kept)
+            self.totals[rollout] = int(total)
         self.n_tokens += result.n_tokens
         self.loss_sum += result.loss_sum
         for k, v in result.stats.items():
@@ -127,8 +139,21 @@ class StepReducer:
             self.gradient += result.gradient
         return True
 
+    def execution_count(self) -> float:
+        """The step's divisor: its executions, each by the share of its trained tokens
+        added (exact: an execution with all its pieces counts exactly 1)."""
+        count = Fraction(0)
+        for rollout in self.executions:
+            total = self.totals.get(rollout, 0)
+            count += min(Fraction(self.kept.get(rollout, 0), total), Fraction(1)) if total > 0 else Fraction(1)
+        return float(count)
+
+    def partial_executions(self) -> list[str]:
+        """Executions of which the step trained only some tokens (a piece was refused)."""
+        return sorted(r for r in self.executions if 0 < self.totals.get(r, 0) and self.kept.get(r, 0) < self.totals[r])
+
     def loss_stats(self) -> dict[str, float]:
-        n = max(1, len(self.executions))
+        n = self.execution_count() or 1.0
         out = {"loss": self.loss_sum / n, "executions": float(len(self.executions)),
                "tokens": float(self.n_tokens), "micro_steps": float(len(self.used))}
         out.update({k: v / n for k, v in self.stat_sums.items() if k != "weight"})
@@ -139,7 +164,7 @@ class StepReducer:
         when any loss or the gradient is not finite."""
         if self.gradient is None or self.non_finite or not math.isfinite(self.loss_sum):
             return False
-        grad = self.gradient / max(1, len(self.executions))
+        grad = self.gradient / (self.execution_count() or 1.0)
         if not torch.isfinite(grad).all():
             return False
         params = [p for _, p in backend.named_parameters()]

@@ -247,6 +247,7 @@ class MicroStepWorker:
         loss, n_tokens = 0.0, 0
         if result is not None:
             descriptor.update(executions=list(result.executions), stats=result.stats,
+                              shares={r: list(v) for r, v in result.shares.items()},
                               finite=result.gradient is not None and math.isfinite(result.loss_sum))
             if result.gradient is not None:
                 descriptor["transfer"] = await self.gradients.put({"gradient": result.gradient})
@@ -285,5 +286,6 @@ async def result_from_done(ev: MicroStepDone, gradients: GradientSink) -> MicroR
     if d.get("finite", True) and "transfer" in d:
         grad = (await gradients.get(d["transfer"]))["gradient"]
     loss = ev.loss if d.get("finite", True) else float("nan")
+    shares = {str(r): (int(v[0]), int(v[1])) for r, v in dict(d.get("shares") or {}).items()}
     return MicroResult(ev.micro_step, ev.weight_version, tuple(d.get("executions", [])), loss, ev.n_tokens, 0,
-                       dict(d.get("stats", {})), grad)
+                       dict(d.get("stats", {})), grad, shares)
