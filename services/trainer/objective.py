@@ -24,7 +24,14 @@ same temperatures. There is no entropy term.
 
 Normalisation (the trajectory packing's contract): the micro-step returns
 ``sum_t weight_t loss_t`` (weights are 1/N per execution, shared tokens once); the core
-divides the step's sum by the number of executions in the step.
+divides the step's sum by the number of executions in the step (each by the share of its
+trained tokens the step kept: ``step.StepReducer.execution_count``).
+
+Log-ratios (``l - b`` and the KL's ``ref - l``) are capped at ``LOG_RATIO_MAX`` before
+``exp``: float32 overflows past 88.7, and one token whose recorded logprob is far below
+the trainer's (-95 against -2) made the ratio inf, the gradient NaN (0 x inf) and the
+whole step unapplied. A token capped there is clipped anyway for A > 0 and gets no
+gradient for A < 0; tokens below the cap are computed exactly as before.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+LOG_RATIO_MAX = 20.0  # exp(20) ~ 4.9e8: far past any clip range, far below float32's limit
 
 
 @dataclass(frozen=True)
@@ -56,17 +65,17 @@ def token_losses(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: to
                  config: ObjectiveConfig = ObjectiveConfig(), reference: torch.Tensor | None = None) -> TokenTerms:
     if config.tis_cap is not None:
         anchor = logprobs.detach()
-        weight = torch.exp(anchor - behaviour).clamp(max=config.tis_cap)
+        weight = torch.exp((anchor - behaviour).clamp(max=LOG_RATIO_MAX)).clamp(max=config.tis_cap)
     else:
         anchor = behaviour
         weight = torch.ones_like(logprobs)
-    ratio = torch.exp(logprobs - anchor)
+    ratio = torch.exp((logprobs - anchor).clamp(max=LOG_RATIO_MAX))
     unclipped = ratio * advantages
     clipped = ratio.clamp(1.0 - config.eps_low, 1.0 + config.eps_high) * advantages
     surrogate = torch.minimum(unclipped, clipped)
     loss = -weight * surrogate
     ref = behaviour if reference is None else reference
-    delta = ref - logprobs
+    delta = (ref - logprobs).clamp(max=LOG_RATIO_MAX)
     kl = torch.exp(delta) - delta - 1.0  # k3 estimator, >= 0
     if config.kl_coef:
         loss = loss + config.kl_coef * kl

@@ -81,3 +81,23 @@ def test_non_finite_loss_skips_the_update(torch_backend):
     assert reducer.non_finite == ["m1"]
     after = torch_backend.hf_state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("advantage", [0.0, 1.0, -1.0])
+@pytest.mark.parametrize("config", [ObjectiveConfig(), ObjectiveConfig(tis_cap=2.0, kl_coef=0.1)])
+def test_a_far_off_behaviour_logprob_leaves_loss_and_gradient_finite(advantage, config):
+    """exp(-2 - -95) overflows float32: the ratio was inf, the gradient NaN (0 x inf), and
+    the whole step went unapplied for one token. The log-ratio is capped before exp; the
+    other token's loss and gradient are what they were."""
+    logprobs = torch.tensor([-2.0, -1.0], requires_grad=True)
+    behaviour = torch.tensor([-95.0, -1.2])
+    terms = token_losses(logprobs, behaviour, torch.full((2,), advantage), config)
+    total = (terms.loss * torch.full((2,), 0.5)).sum()
+    total.backward()
+    assert math.isfinite(float(total)) and torch.isfinite(logprobs.grad).all(), (float(total), logprobs.grad)
+    assert torch.isfinite(terms.ratio).all() and torch.isfinite(terms.kl).all()
+    alone = torch.tensor([-1.0], requires_grad=True)  # the ordinary token on its own: unchanged
+    ref = token_losses(alone, behaviour[1:], torch.full((1,), advantage), config)
+    (ref.loss * 0.5).sum().backward()
+    assert terms.loss[1].item() == pytest.approx(ref.loss[0].item())
+    assert logprobs.grad[1].item() == pytest.approx(alone.grad[0].item())
