@@ -434,14 +434,54 @@ def _kill_group(pgid: int) -> None:
 _KILL_ALL_SH = "i=0; while kill -9 -1 2>/dev/null && [ $i -lt 100 ]; do i=$((i+1)); done; exit 0"
 
 
+KILL_UID_WAIT_S = 5.0  # how long _kill_uid waits for the killed processes to be gone
+
+
 def _kill_uid(uid: int) -> None:
-    """SIGKILL every process running as ``uid`` (a sandbox slot's own uid, never shared)."""
+    """SIGKILL every process running as ``uid`` (a sandbox slot's own uid, never shared),
+    and wait until none is left: SIGKILL lands when the process is next scheduled, so on a
+    busy machine one just signalled may still run a while (the slot's next run, or the
+    caller's check, would meet it)."""
     drop = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    deadline = time.monotonic() + KILL_UID_WAIT_S
+    while True:
+        try:
+            subprocess.run([*drop, "/bin/sh", "-c", _KILL_ALL_SH], stdin=subprocess.DEVNULL,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_clean_env({}), timeout=10,
+                           check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            log.error("sandbox: could not kill the processes of uid %d: %r", uid, exc)
+            return
+        left = _live_processes_of(uid)
+        if not left:
+            return
+        if time.monotonic() >= deadline:
+            log.error("sandbox: processes of uid %d still alive %.0f s after SIGKILL: %s", uid, KILL_UID_WAIT_S,
+                      left[:10])
+            return
+        time.sleep(0.02)
+
+
+def _live_processes_of(uid: int) -> list[int]:
+    """Pids running as ``uid`` that are not zombies (Linux /proc; elsewhere none found)."""
+    found = []
     try:
-        subprocess.run([*drop, "/bin/sh", "-c", _KILL_ALL_SH], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL, env=_clean_env({}), timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        log.error("sandbox: could not kill the processes of uid %d: %r", uid, exc)
+        entries = os.listdir("/proc")
+    except OSError:
+        return found
+    for name in entries:
+        if not name.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{name}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        uids = fields.get("Uid", "").split()
+        # kill(-1) as uid reaches a process whose real or saved uid is it
+        if len(uids) >= 3 and str(uid) in (uids[0], uids[2]) and not fields.get("State", "").strip().startswith("Z"):
+            found.append(int(name))
+    return found
 
 
 def _give_tree(root: Path, uid: int, keep: Sequence[str] = (), *, keep_root: bool = False) -> None:
