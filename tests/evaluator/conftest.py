@@ -61,6 +61,16 @@ class Harness:
         return await self.evaluator.evaluate(await self.rollout(task, snapshot, **kw))
 
 
+def worker_uid_base() -> int:
+    """Sandbox uids of this pytest worker's evaluators: the tests that look for processes
+    left under their harness's uids, or kill every process of a uid (``uid`` mode), must
+    not meet another worker's evaluator (pytest-xdist runs them side by side) nor one
+    that ``gyre up`` starts in another test (the default, 61000)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    return 62000 + 100 * index
+
+
 @pytest.fixture
 def make_harness(work_root: Path):
     """``await make_harness(judge_url=None, **settings)``: an evaluator on an in-memory bus."""
@@ -68,7 +78,8 @@ def make_harness(work_root: Path):
     async def make(judge_url: str | None = None, **overrides) -> Harness:
         bus, store, catalog = InMemoryBus(), MemoryBlobStore(), InMemoryTaskCatalog()
         # a redelivery after a transient failure comes quickly here (30 s in service)
-        fields = {"work_root": work_root, "workers": 2, "retry_delay_s": 0.05, **overrides}
+        fields = {"work_root": work_root, "workers": 2, "retry_delay_s": 0.05, "uid_base": worker_uid_base(),
+                  **overrides}
         if judge_url:
             fields["judge"] = JudgeSettings(base_url=judge_url, model="judge", timeout_s=2, attempts=3, backoff_s=0.05)
         evaluator = build_evaluator(EvaluatorSettings(**fields), bus=bus, store=store, catalog=catalog)
