@@ -39,11 +39,14 @@ async def until(predicate, timeout_s: float = 20.0) -> None:
 async def test_an_end_on_a_closed_bus_is_given_up_with_a_clear_error(bus_blobs, tmp_path, caplog) -> None:
     bus, blobs = bus_blobs
     caplog.set_level(logging.WARNING, logger="services.runner.runner")
-    slow = HarnessConfig("sh", ("/bin/sh", "-c", "sleep 0.5; echo hi > a.txt"))
+    go = tmp_path / "go"  # the harnesses end only once the test says so (a loaded machine
+    # may start the second later than a fixed sleep lets the first run)
+    slow = HarnessConfig("sh", ("/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; echo hi > a.txt"))
     runner = make_runner(tmp_path, bus, blobs, slow)
     step = asyncio.create_task(runner.run_step(0, [TASK], 2))
     await until(lambda: sum(s.phase.value == "running" for s in runner.running.values()) == 2)
     await bus.nc.close()  # RolloutStarted was taken; the ends meet a closed connection
+    go.touch()
     with pytest.raises(StepFailed) as failed:
         await asyncio.wait_for(step, 15)
     assert len(failed.value.errors) == 2 and failed.value.outcomes == []

@@ -111,13 +111,16 @@ async def test_a_group_started_while_the_bus_refuses_its_events_still_completes(
 
 async def test_an_ended_event_the_bus_refuses_is_published_once_it_is_back(bus_blobs, tmp_path, caplog) -> None:
     bus, blobs = bus_blobs
-    slow = HarnessConfig("sh", ("/bin/sh", "-c", "sleep 0.5; echo hi > a.txt"))
+    go = tmp_path / "go"  # the harness ends only once the test says so (not after a fixed
+    # sleep a loaded machine may let pass before the test sees it running)
+    slow = HarnessConfig("sh", ("/bin/sh", "-c", f"while [ ! -e {go} ]; do sleep 0.02; done; echo hi > a.txt"))
     runner = make_runner(tmp_path, bus, blobs, harness=slow)
     step = asyncio.create_task(runner.run_step(0, [TASK], 1))
     await until(lambda: any(s.phase.value == "running" for s in runner.running.values()))
     # RolloutStarted was taken; the end will be refused (the stream goes with the start in
     # it: only the end is looked for below)
     await take_rollouts_stream_away(bus)
+    go.touch()
     await until(lambda: runner.waiting_for_bus and runner.publish_failures >= 4)
     assert list(runner.waiting_for_bus.values()) == ["RolloutFinished"]
     assert "has ended; the runner keeps trying" in caplog.text
